@@ -1,0 +1,98 @@
+"""The full set of config fields, their defaults, and the shared variant args.
+
+Every recipe in `configs/` starts from `base_config()` and overrides a handful of fields, so the
+field names below are the public contract (documented in docs/config.md). Runs eagerly, on the host.
+"""
+import ml_collections
+
+DATA_DIR = "/usr/share/datasets/fashion-mnist"
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Returns a config with every field microstep reads, set to its default."""
+  config = ml_collections.ConfigDict()
+  # --- Where it runs.
+  config.strategy = "default"   # default | one_device | mirrored | multi_worker_mirrored | tpu
+  config.cpu_replicas = 0       # >0: split the CPU into this many logical devices (mirrored).
+  config.tpu_address = ""       # `local` on a TPU VM, else the TPU name or grpc:// address.
+  config.device = ""            # one_device only; empty picks GPU:0 when present, else CPU:0.
+  config.peer_timeout_s = 120   # multi-worker: give up on a missing peer after this long.
+  # --- What it trains.
+  config.task = "classification"  # classification | triplet
+  config.model = "small_cnn"      # small_cnn | mlp | vgg16 | vgg_small
+  config.mixed_precision = "float32"  # float32 | mixed_float16 | mixed_bfloat16
+  config.seed = 0
+  config.deterministic = False  # tf.config.experimental.enable_op_determinism()
+  config.data = ml_collections.ConfigDict()
+  config.data.name = "fashion_mnist"
+  config.data.source = "idx"    # idx (Debian package files) | tfds | synthetic
+  config.data.dir = DATA_DIR
+  config.data.synthetic_train_examples = 2048
+  config.data.synthetic_test_examples = 512
+  config.data.image_size = 28   # Images are resized (bilinear) when this differs from 28.
+  config.data.shuffle = True
+  # --- How long and how big. One step = one optimizer update.
+  config.batch_size = 128       # Global examples per micro-step, all replicas together.
+  config.eval_batch_size = 1000
+  config.train_steps = 1000     # Optimizer updates.
+  config.steps_per_loop = 100
+  config.mode = "train_and_eval"  # train | eval | train_and_eval | continuous_eval
+  config.eval_every = 1000      # Updates between evaluations.
+  config.eval_steps = -1        # -1: the whole test split.
+  config.checkpoint_every = 1000  # Updates between checkpoints.
+  config.keep_checkpoints = 3
+  config.summary_every = 0      # Updates between in-loop summaries; 0: every loop end.
+  config.max_consecutive_skips = 20  # Non-finite updates in a row before the run stops.
+  # --- Optimizer and schedule.
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.name = "adam"  # sgd | adam | adamw
+  config.optimizer.learning_rate = 1e-3
+  config.optimizer.momentum = 0.0
+  config.optimizer.nesterov = False
+  config.optimizer.beta_1 = 0.9
+  config.optimizer.beta_2 = 0.999
+  config.optimizer.epsilon = 1e-7
+  config.optimizer.weight_decay = 0.0
+  config.optimizer.global_clipnorm = 0.0  # 0: off. Clips the reduced gradient, once per update.
+  config.optimizer.warmup_steps = 0       # Linear warm-up, in updates.
+  config.optimizer.decay = "constant"     # constant | cosine (to 0 at train_steps)
+  # --- Gradient accumulation.
+  config.accumulation = ml_collections.ConfigDict()
+  config.accumulation.steps = 1           # Micro-steps per update (k).
+  config.accumulation.batchnorm = "error"  # error | per_micro_batch
+  # --- Dynamic loss scaling (mixed_float16 only).
+  config.loss_scale = ml_collections.ConfigDict()
+  config.loss_scale.initial = 2.0 ** 15
+  config.loss_scale.growth_interval = 2000
+  # --- Per-example gradient statistics.
+  config.per_example = ml_collections.ConfigDict()
+  config.per_example.every_steps = 0      # 0: off.
+  config.per_example.chunk_size = 0       # 0: the whole local batch at once.
+  # --- Triplet task only.
+  config.triplet = ml_collections.ConfigDict()
+  config.triplet.margin = 0.2
+  config.triplet.embedding_dim = 64
+  return config
+
+
+def apply_variant_args(config: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
+  """Applies comma-separated variant args shared by all recipes.
+
+  `smoke`: seconds-long run (tests, CI). `synthetic`: generated data instead of the real files.
+  """
+  known = {"smoke", "synthetic"}
+  args = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  unknown = args - known
+  if unknown:
+    raise ValueError(f"config arg {sorted(unknown)} unknown; allowed: {sorted(known)}")
+  if "smoke" in args:
+    config.batch_size = min(config.batch_size, 32)
+    config.train_steps = 12
+    config.steps_per_loop = 4
+    config.eval_every = 12
+    config.checkpoint_every = 4
+    config.eval_batch_size = 256
+    config.eval_steps = 2
+  if "synthetic" in args:
+    config.data.source = "synthetic"
+  return config

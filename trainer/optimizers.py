@@ -1,0 +1,69 @@
+"""Keras 3 optimizers and the learning-rate schedule, counted in optimizer updates.
+
+The schedule is called with `optimizer.iterations`, which microstep advances once per applied
+update (never per micro-step), so warm-up and decay see updates. Clipping is NOT configured on the
+Keras optimizer: Keras clips before its own all-reduce (per replica); microstep clips the reduced
+gradient itself (`trainer.update.finalize_gradients`). Built eagerly under the strategy scope.
+"""
+import math
+
+import keras
+import tensorflow as tf
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+@keras.saving.register_keras_serializable(package="microstep")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+  """Linear warm-up from 0 over `warmup_steps` updates, then constant or cosine decay to 0.
+
+  lr(t) = base * min(1, (t + 1) / warmup) * decay(t), where t counts applied updates from 0.
+  """
+
+  def __init__(self, base: float, warmup_steps: int, decay: str, total_steps: int):
+    self.base, self.warmup_steps, self.decay, self.total_steps = base, warmup_steps, decay, total_steps
+
+  def __call__(self, step):
+    step = tf.cast(step, tf.float32)
+    lr = tf.constant(self.base, tf.float32)
+    if self.warmup_steps > 0:
+      lr *= tf.minimum(1.0, (step + 1.0) / float(self.warmup_steps))
+    if self.decay == "cosine":
+      span = float(max(self.total_steps - self.warmup_steps, 1))
+      progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
+      lr *= 0.5 * (1.0 + tf.cos(math.pi * progress))
+    return lr
+
+  def get_config(self):
+    return {"base": self.base, "warmup_steps": self.warmup_steps, "decay": self.decay,
+            "total_steps": self.total_steps}
+
+
+def learning_rate(opt_config, total_steps: int):
+  if opt_config.warmup_steps == 0 and opt_config.decay == "constant":
+    return float(opt_config.learning_rate)
+  return WarmupSchedule(float(opt_config.learning_rate), int(opt_config.warmup_steps),
+                        opt_config.decay, int(total_steps))
+
+
+def create_optimizer(opt_config, total_steps: int, global_clipnorm_in_keras: bool = False):
+  """Returns the Keras optimizer `opt_config.name` (eager, under the strategy scope).
+
+  `global_clipnorm_in_keras` exists for reference computations in tests (single device), where
+  Keras' own clipping is correct; the trainer leaves it off and clips the reduced gradient.
+  """
+  lr = learning_rate(opt_config, total_steps)
+  common = {"learning_rate": lr, "weight_decay": opt_config.weight_decay or None}
+  if global_clipnorm_in_keras and opt_config.global_clipnorm:
+    common["global_clipnorm"] = opt_config.global_clipnorm
+  name = opt_config.name
+  if name == "sgd":
+    return keras.optimizers.SGD(momentum=opt_config.momentum, nesterov=opt_config.nesterov, **common)
+  if name == "adam":
+    return keras.optimizers.Adam(beta_1=opt_config.beta_1, beta_2=opt_config.beta_2,
+                                 epsilon=opt_config.epsilon, **common)
+  if name == "adamw":
+    common["weight_decay"] = opt_config.weight_decay
+    return keras.optimizers.AdamW(beta_1=opt_config.beta_1, beta_2=opt_config.beta_2,
+                                  epsilon=opt_config.epsilon, **common)
+  raise ValueError(f"`optimizer.name`={name!r} unknown; allowed: {', '.join(OPTIMIZERS)}")

@@ -1,0 +1,45 @@
+"""The Orbit evaluator: weighted loss and metric sums over the test split, in SyncOnRead sums.
+
+    evaluator.evaluate(num_steps)       # orbit.StandardEvaluator
+      eval_begin()                      # eager: zero the sums on every replica
+      eval_step(iterator) x num_steps   # traced; replica context adds local Σ w·loss, Σ w, Σ w·metric
+      eval_end()                        # eager: one cross-replica read (SUM), then ratios
+Padding examples of the last batch carry weight 0, so the whole split counts exactly once.
+"""
+import orbit
+import tensorflow as tf
+
+
+class Evaluator(orbit.StandardEvaluator):
+  """Evaluates `task.per_example_loss(..., training=False)` over an eval dataset."""
+
+  def __init__(self, *, strategy, task, model, eval_dataset):
+    self.strategy, self.task, self.model = strategy, task, model
+    with strategy.scope():
+      self.sums = tf.Variable(
+          tf.zeros([2 + len(task.metric_names)]), trainable=False, name="eval_sums",
+          synchronization=tf.VariableSynchronization.ON_READ,
+          aggregation=tf.VariableAggregation.SUM)
+    super().__init__(eval_dataset, options=orbit.StandardEvaluatorOptions(use_tf_function=True))
+
+  def eval_begin(self):
+    with self.strategy.scope():
+      self.sums.assign(tf.zeros_like(self.sums))
+
+  def eval_step(self, iterator):
+    """Cross-replica context (traced); the replica function only adds local sums."""
+    def step(batch):
+      out = self.task.per_example_loss(self.model, batch, training=False)
+      metrics = [tf.reduce_sum(out.metrics[n] * out.weight) for n in self.task.metric_names]
+      self.sums.assign_add(tf.stack(
+          [tf.reduce_sum(out.loss * out.weight), tf.reduce_sum(out.weight)] + metrics))
+    self.strategy.run(step, args=(next(iterator),))
+
+  def eval_end(self):
+    with self.strategy.scope():
+      sums = self.sums.read_value().numpy()
+    weight = max(float(sums[1]), 1e-12)
+    output = {"loss": sums[0] / weight, "examples": float(sums[1])}
+    for i, name in enumerate(self.task.metric_names):
+      output[name] = sums[2 + i] / weight
+    return output

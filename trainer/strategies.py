@@ -1,0 +1,85 @@
+"""The one place that turns `config.strategy` into a `tf.distribute.Strategy`.
+
+Nothing else in microstep reads TF_CONFIG or the TPU environment. Runs eagerly, on the host, before
+any model or dataset is built (logical CPU devices can only be created before TF initialises).
+
+| config.strategy          | what it builds                                                      |
+|--------------------------|---------------------------------------------------------------------|
+| default                  | `tf.distribute.get_strategy()`: no distribution, one device         |
+| one_device               | `OneDeviceStrategy(config.device or GPU:0 or CPU:0)`                |
+| mirrored                 | all local GPUs, or `cpu_replicas` logical CPU devices if > 0        |
+| multi_worker_mirrored    | `MultiWorkerMirroredStrategy` from TF_CONFIG, collective timeout    |
+| tpu                      | `TPUStrategy` on `tpu_address` (`local` on a TPU VM)                |
+"""
+import json
+import os
+
+from absl import logging
+import tensorflow as tf
+
+STRATEGIES = ("default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+
+
+def _logical_cpus(count: int) -> list[str]:
+  """Returns `count` logical CPU device names, splitting the CPU if TF is not initialised yet."""
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  try:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+  except RuntimeError:
+    pass  # Already initialised: use what exists, if there are enough.
+  available = tf.config.list_logical_devices("CPU")
+  if len(available) < count:
+    raise ValueError(
+        f"`cpu_replicas`={count} but TensorFlow was initialised with {len(available)} logical "
+        "CPU device(s); create the strategy before running any TF op.")
+  return [d.name for d in available[:count]]
+
+
+def _multi_worker(config) -> tf.distribute.Strategy:
+  tf_config = os.environ.get("TF_CONFIG", "")
+  if not tf_config:
+    raise ValueError("`strategy`=multi_worker_mirrored needs the TF_CONFIG environment variable "
+                     "(see docs/launch.md or `python -m launch.multi_worker --local=2`).")
+  try:
+    cluster = json.loads(tf_config)["cluster"]
+  except (ValueError, KeyError) as e:
+    raise ValueError(f"TF_CONFIG is not valid JSON with a `cluster` key: {e}") from None
+  logging.info("multi-worker cluster: %s", cluster)
+  options = tf.distribute.experimental.CommunicationOptions(
+      timeout_seconds=float(config.peer_timeout_s))
+  return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def _tpu(config) -> tf.distribute.Strategy:
+  if not config.tpu_address:
+    raise ValueError("`strategy`=tpu needs `tpu_address` (`local` on a TPU VM, or a TPU name).")
+  resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.tpu_address)
+  if config.tpu_address != "local":
+    tf.config.experimental_connect_to_cluster(resolver)
+  tf.tpu.experimental.initialize_tpu_system(resolver)
+  return tf.distribute.TPUStrategy(resolver)
+
+
+def create_strategy(config) -> tf.distribute.Strategy:
+  """Builds the strategy named by `config.strategy` (eager, host)."""
+  name = config.strategy
+  if name not in STRATEGIES:
+    raise ValueError(f"`strategy`={name!r} unknown; allowed: {', '.join(STRATEGIES)}")
+  if config.cpu_replicas and name != "mirrored":
+    raise ValueError(f"`cpu_replicas`={config.cpu_replicas} only works with `strategy`=mirrored, "
+                     f"not {name!r}")
+  if name == "default":
+    return tf.distribute.get_strategy()
+  if name == "one_device":
+    device = config.device or ("/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0")
+    return tf.distribute.OneDeviceStrategy(device)
+  if name == "mirrored":
+    if config.cpu_replicas:
+      return tf.distribute.MirroredStrategy(_logical_cpus(config.cpu_replicas))
+    if not tf.config.list_physical_devices("GPU"):
+      logging.warning("strategy=mirrored without GPUs and cpu_replicas=0: one CPU replica.")
+    return tf.distribute.MirroredStrategy()
+  if name == "multi_worker_mirrored":
+    return _multi_worker(config)
+  return _tpu(config)

@@ -1,0 +1,86 @@
+"""Config validation: every field checked before any compute, one line naming field and allowed values.
+
+`validate(config)` runs eagerly on the host before the strategy, data or model exist;
+`validate_replicas(config, num_replicas)` runs right after the strategy is built.
+"""
+from trainer import models
+from trainer import optimizers
+from trainer import strategies
+from trainer import tasks
+
+MODES = ("train", "eval", "train_and_eval", "continuous_eval")
+PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
+SOURCES = ("idx", "tfds", "synthetic")
+
+
+class ConfigError(ValueError):
+  """A config field holds a value microstep cannot run with."""
+
+
+def _choice(config, field, allowed):
+  value = config
+  for part in field.split("."):
+    value = value[part]
+  if value not in allowed:
+    raise ConfigError(f"`{field}`={value!r} unknown; allowed: {', '.join(map(str, allowed))}")
+
+
+def _number(config, field, minimum, integer=True, strict=False):
+  value = config
+  for part in field.split("."):
+    value = value[part]
+  kind = "an integer" if integer else "a number"
+  if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+    raise ConfigError(f"`{field}`={value!r} must be {kind}")
+  if value < minimum or (strict and value == minimum):
+    relation = ">" if strict else ">="
+    raise ConfigError(f"`{field}`={value!r} must be {kind} {relation} {minimum}")
+
+
+def validate(config) -> None:
+  """Raises ConfigError for the first bad field."""
+  _choice(config, "strategy", strategies.STRATEGIES)
+  _choice(config, "task", tasks.TASKS)
+  _choice(config, "model", models.MODELS)
+  _choice(config, "mixed_precision", PRECISIONS)
+  _choice(config, "mode", MODES)
+  _choice(config, "data.source", SOURCES)
+  _choice(config, "optimizer.name", optimizers.OPTIMIZERS)
+  _choice(config, "optimizer.decay", ("constant", "cosine"))
+  _choice(config, "accumulation.batchnorm", ("error", "per_micro_batch"))
+  for field in ("batch_size", "eval_batch_size", "train_steps", "steps_per_loop", "eval_every",
+                "checkpoint_every", "accumulation.steps", "keep_checkpoints"):
+    _number(config, field, 1)
+  for field in ("cpu_replicas", "seed", "optimizer.warmup_steps", "summary_every",
+                "max_consecutive_skips", "per_example.every_steps", "per_example.chunk_size"):
+    _number(config, field, 0)
+  _number(config, "optimizer.learning_rate", 0, integer=False, strict=True)
+  _number(config, "peer_timeout_s", 0, integer=False, strict=True)
+  for field in ("optimizer.momentum", "optimizer.weight_decay", "optimizer.global_clipnorm"):
+    _number(config, field, 0, integer=False)
+  if config.optimizer.momentum >= 1:
+    raise ConfigError(f"`optimizer.momentum`={config.optimizer.momentum} must be in [0, 1)")
+  if config.eval_steps != -1:
+    _number(config, "eval_steps", 1)
+  if config.cpu_replicas and config.strategy != "mirrored":
+    raise ConfigError(f"`cpu_replicas`={config.cpu_replicas} needs `strategy`=mirrored, "
+                      f"not {config.strategy!r}")
+  if config.strategy == "tpu" and not config.tpu_address:
+    raise ConfigError("`tpu_address` is empty; `strategy`=tpu needs `local` (TPU VM) or a TPU name")
+  if config.model.startswith("vgg") and config.data.image_size % 32:
+    raise ConfigError(f"`data.image_size`={config.data.image_size} must be a multiple of 32 for "
+                      f"`model`={config.model} (five 2x2 poolings)")
+  _number(config, "data.image_size", 8)
+  if config.summary_every and config.summary_every % config.steps_per_loop:
+    raise ConfigError(f"`summary_every`={config.summary_every} must be a multiple of "
+                      f"`steps_per_loop`={config.steps_per_loop}")
+  if config.cpu_replicas:
+    validate_replicas(config, config.cpu_replicas)
+
+
+def validate_replicas(config, num_replicas: int) -> None:
+  """Batch sizes must split evenly over the replicas (eager, after the strategy exists)."""
+  for field in ("batch_size", "eval_batch_size"):
+    if config[field] % num_replicas:
+      raise ConfigError(f"`{field}`={config[field]} is not divisible by the {num_replicas} "
+                        "replicas; allowed: a multiple of the replica count")
