@@ -73,8 +73,14 @@ class Trainer(orbit.StandardTrainer):
     self._loop_start = None
 
   def checkpoint_items(self) -> dict:
-    """What a checkpoint holds besides the data files: model, optimizer, counters, loss scale."""
-    items = dict(model=self.model, optimizer=self.optimizer, global_step=self.global_step,
+    """What a checkpoint holds: weights, model, optimizer, counters (incl. data position), loss scale.
+
+    `weights` comes first so that each model variable is stored under the readable key
+    `weights/<keras path, "/" as "-">/.ATTRIBUTES/VARIABLE_VALUE` (tf.train.load_checkpoint).
+    """
+    weights = {v.path.replace("/", "-"): v.value for v in self.model.weights}
+    items = dict(weights=weights, model=self.model, optimizer=self.optimizer,
+                 global_step=self.global_step,
                  micro_batches_seen=self.micro_batches_seen, skipped_updates=self.skipped_updates,
                  consecutive_skips=self.consecutive_skips)
     if self.loss_scale is not None:

@@ -3,7 +3,7 @@
 GCE/TPU maintenance and most schedulers send SIGTERM. The handler only sets a flag (signal
 handlers must not run TF); `PreemptionWatcher`, an `orbit.Action` called eagerly after every
 training loop, saves a checkpoint when the flag is up and raises `PreemptedError`. Under
-MultiWorkerMirroredStrategy the flag is all-reduced (MAX) first, so every worker saves the same step
+MultiWorkerMirroredStrategy the flag is all-reduced (SUM > 0) first, so every worker saves the same step
 together even when only one of them got the signal. A checkpoint therefore always sits on an update
 boundary: the accumulation buffers are zero there and the run resumes bitwise.
 
@@ -49,7 +49,7 @@ class PreemptionWatcher:
     if not isinstance(self._strategy, tf.distribute.MultiWorkerMirroredStrategy):
       return self._signalled
     flag = self._strategy.run(lambda: tf.constant(float(self._signalled)))
-    return bool(self._strategy.reduce(tf.distribute.ReduceOp.MAX, flag, axis=None).numpy() > 0)
+    return bool(self._strategy.reduce(tf.distribute.ReduceOp.SUM, flag, axis=None).numpy() > 0)
 
   def __call__(self, train_output) -> None:  # pylint: disable=unused-argument
     if not self._anyone_signalled():

@@ -1,0 +1,1 @@
+"""Thin launchers for `python -m trainer.main`: one machine, several workers, TPU VMs."""

@@ -1,0 +1,140 @@
+"""Where accumulation communicates, what it keeps local, and how it skips (issue 3)."""
+from unittest import mock
+
+import numpy as np
+import tensorflow as tf
+
+import helpers
+from trainer import run as run_lib
+from trainer import tasks
+
+
+def _mirrored_config(**overrides):
+  base = {"accumulation.steps": 4, "strategy": "mirrored", "cpu_replicas": 2}
+  base.update(overrides)
+  return helpers.tiny_config(**base)
+
+
+def test_micro_steps_stay_local(tmp_path):
+  """Each replica's buffer holds its own gradient sum; weights and slots are untouched."""
+  config = _mirrored_config()
+  strategy, trainer = helpers.build(config, tmp_path)
+  iterator = iter(trainer.train_dataset)
+  micro = tf.function(lambda it: strategy.run(trainer.micro_step, args=(next(it),)))
+  weights, slots = helpers.snapshot(strategy, trainer)
+  for _ in range(3):
+    micro(iterator)
+  grad_buffers, scalar_buffers = trainer.buffers.local_values(strategy)
+  # Expected: replica r summed positions [g*16 + r*8, g*16 + r*8 + 8) for g = 0, 1, 2.
+  make_batch = tasks.create_task(config).batch_fn("train")
+  for replica in range(2):
+    grads, scalars = None, None
+    for g in range(3):
+      start = g * 16 + replica * 8
+      batch = make_batch(tf.range(start, start + 8, dtype=tf.int64))
+      local_grads, local_scalars = trainer.local_sums(batch)
+      grads = local_grads if grads is None else [a + b for a, b in zip(grads, local_grads)]
+      scalars = local_scalars if scalars is None else scalars + local_scalars
+    for buffer, expected in zip(grad_buffers, grads):
+      np.testing.assert_allclose(buffer[replica], expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(scalar_buffers[replica], scalars, rtol=1e-5)
+  assert not np.allclose(grad_buffers[0][0], grad_buffers[0][1]), "replicas saw different data"
+  after_weights, after_slots = helpers.snapshot(strategy, trainer)
+  assert all(np.array_equal(a, b) for a, b in zip(weights, after_weights))
+  assert all(np.array_equal(a, b) for a, b in zip(slots, after_slots))
+  assert int(trainer.optimizer.iterations.numpy()) == 0
+
+
+class _AllReduceSpy:
+  """Counts cross-replica all-reduces (calls, tensors each) while a function is traced.
+
+  Only outermost calls on a context with more than one replica count: the default context's
+  all_reduce (what Keras calls when applying outside the strategy scope) is an identity, and
+  TF's implementation may call itself internally.
+  """
+
+  def __init__(self):
+    self.calls = []
+    self._original = tf.distribute.ReplicaContext.all_reduce
+    self._depth = 0
+
+  def __enter__(self):
+    spy = self
+
+    def counting(ctx, reduce_op, value, options=None):
+      if spy._depth == 0 and ctx.num_replicas_in_sync > 1:
+        spy.calls.append(len(tf.nest.flatten(value)))
+      spy._depth += 1
+      try:
+        return spy._original(ctx, reduce_op, value, options)
+      finally:
+        spy._depth -= 1
+    self._patch = mock.patch.object(tf.distribute.ReplicaContext, "all_reduce", counting)
+    self._patch.__enter__()
+    return self
+
+  def __exit__(self, *exc):
+    self._patch.__exit__(*exc)
+
+
+def test_one_packed_all_reduce_per_update(tmp_path):
+  config = _mirrored_config()
+  strategy, trainer = helpers.build(config, tmp_path)
+  iterator = iter(trainer.train_dataset)
+  with _AllReduceSpy() as micro_spy:
+    tf.function(lambda it: strategy.run(trainer.micro_step, args=(next(it),))
+                ).get_concrete_function(iterator)
+  assert micro_spy.calls == []
+  with _AllReduceSpy() as step_spy:
+    tf.function(trainer.train_step).get_concrete_function(iterator)
+  assert step_spy.calls == [1], "one all-reduce of one packed tensor per update"
+
+
+def test_overflow_on_one_replica_skips_the_whole_update(tmp_path):
+  """An Inf in micro-step 2 on replica 1 only: no replica applies, the loss scale halves once."""
+  config = _mirrored_config(**{"mixed_precision": "mixed_float16", "train_steps": 2,
+                               "optimizer.name": "adam"})
+  base_batch = tasks.create_task(config).batch_fn("train")
+
+  def poisoned_batch(positions):
+    batch = base_batch(positions)
+    # Update 0 = positions [0, 64); micro-step 2 = [32, 48); replica 1 owns [40, 48).
+    bad = tf.logical_and(positions >= 40, positions < 48)
+    image = tf.where(bad[:, None, None, None], tf.constant(np.inf, batch["image"].dtype),
+                     batch["image"])
+    return dict(batch, image=image)
+
+  strategy, trainer = helpers.build(config, tmp_path)
+  trainer.train_dataset = run_lib._distribute(strategy, config.batch_size, poisoned_batch)  # pylint: disable=protected-access
+  weights, slots = helpers.snapshot(strategy, trainer)
+  scale = float(trainer.loss_scale.numpy())
+  trainer.train(tf.constant(1))
+  after_weights, after_slots = helpers.snapshot(strategy, trainer)
+  assert int(trainer.skipped_updates.numpy()) == 1
+  assert int(trainer.optimizer.iterations.numpy()) == 0
+  assert float(trainer.loss_scale.numpy()) == scale / 2
+  assert all(np.array_equal(a, b) for a, b in zip(weights, after_weights))
+  assert all(np.array_equal(a, b) for a, b in zip(slots, after_slots))
+  grad_buffers, _ = trainer.buffers.local_values(strategy)
+  assert all(not np.any(b) for per_var in grad_buffers for b in per_var), "cycle discarded"
+  trainer.train(tf.constant(1))  # The next update is clean and applies on both replicas.
+  assert int(trainer.optimizer.iterations.numpy()) == 1
+  assert float(trainer.loss_scale.numpy()) == scale / 2
+  for var in trainer.model.trainable_variables:
+    copies = helpers.local_values(strategy, var)
+    assert np.array_equal(copies[0], copies[1])
+  assert not np.array_equal(helpers.snapshot(strategy, trainer)[0][0], weights[0])
+
+
+def test_batchnorm_with_accumulation_needs_an_explicit_choice(tmp_path):
+  config = helpers.tiny_config(**{"model": "small_cnn_bn", "accumulation.steps": 2})
+  try:
+    helpers.build(config, tmp_path)
+  except ValueError as e:
+    assert "accumulation.batchnorm" in str(e) and "per_micro_batch" in str(e)
+  else:
+    raise AssertionError("BatchNorm with k>1 must not pass silently")
+  config.accumulation.batchnorm = "per_micro_batch"
+  _, trainer = helpers.build(config, tmp_path / "ok")
+  trainer.train(tf.constant(1))
+  assert int(trainer.optimizer.iterations.numpy()) == 1

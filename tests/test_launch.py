@@ -1,0 +1,387 @@
+"""Tests of the launchers in launch/: their dry-run commands, flag errors and process handling.
+
+Most tests run `python -m launch.X --dry_run` (no TensorFlow is imported there: well under a
+second each) or call the launchers' functions with fake commands (`sh -c 'exit 42'`). The one
+`slow` test really trains: two local workers of a multi-worker job.
+"""
+import json
+import os
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import common
+from launch import multi_worker
+from launch import single_machine
+from launch import tpu_vm
+from trainer import exit_codes
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+PY = sys.executable
+CONFIG = "configs/fashion_mnist.py"
+
+
+def launcher(name, *args, env=None, timeout=60):
+  """Runs `python -m launch.NAME ARGS` from the repo root."""
+  environ = dict(os.environ)
+  environ.pop("CUDA_VISIBLE_DEVICES", None)
+  environ.update(env or {})
+  return subprocess.run([PY, "-m", f"launch.{name}", *args], cwd=REPO_ROOT, env=environ,
+                        capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def dry_run_lines(name, *args, **kwargs):
+  done = launcher(name, *args, "--dry_run", **kwargs)
+  assert done.returncode == 0, done.stderr
+  return done.stdout.splitlines()
+
+
+def assert_one_line_error(done, *needles):
+  assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+  assert done.stdout == ""
+  lines = done.stderr.strip().splitlines()
+  assert len(lines) == 1, done.stderr
+  assert lines[0].startswith("error: "), lines[0]
+  for needle in needles:
+    assert needle in lines[0], (needle, lines[0])
+
+
+def test_exit_codes_are_distinct_and_fixed():
+  assert exit_codes.PREEMPTED_EXIT_CODE == 42
+  assert exit_codes.PEER_LOST_EXIT_CODE == 43
+  assert set(common.RESTART_CODES) == {42, 43}
+
+
+# --- launch.single_machine -----------------------------------------------------------------------
+
+
+def test_single_machine_two_gpus_adds_mirrored_strategy():
+  lines = dry_run_lines("single_machine", f"--config={CONFIG}", "--workdir=/tmp/fm run",
+                        "--gpus=2", "--override=batch_size=64", "--override", "optimizer.name=sgd")
+  assert lines == [
+      f"CUDA_VISIBLE_DEVICES=0,1 {shlex.quote(PY)} -m trainer.main --config={CONFIG} "
+      "'--workdir=/tmp/fm run' --config.strategy=mirrored --config.batch_size=64 "
+      "--config.optimizer.name=sgd"]
+
+
+@pytest.mark.parametrize("gpus, environ, devices, strategy", [
+    (0, {}, "", None),
+    (1, {}, "0", "one_device"),
+    (3, {}, "0,1,2", "mirrored"),
+    (2, {"CUDA_VISIBLE_DEVICES": "3,5,7"}, "3,5", "mirrored"),
+])
+def test_single_machine_gpu_count_picks_devices_and_strategy(gpus, environ, devices, strategy):
+  cmd = single_machine.build_command(CONFIG, "/tmp/w", gpus, python="python", environ=environ)
+  assert dict(cmd.env) == {"CUDA_VISIBLE_DEVICES": devices}
+  strategies = [a for a in cmd.argv if a.startswith("--config.strategy=")]
+  assert strategies == ([f"--config.strategy={strategy}"] if strategy else [])
+  assert cmd.argv[:5] == ("python", "-m", "trainer.main", f"--config={CONFIG}", "--workdir=/tmp/w")
+
+
+def test_single_machine_cpu_keeps_user_strategy():
+  cmd = single_machine.build_command(CONFIG, "/w", 0, ["strategy=mirrored", "cpu_replicas=2"],
+                                     python="python", environ={})
+  assert cmd.shell() == ("CUDA_VISIBLE_DEVICES='' python -m trainer.main "
+                         f"--config={CONFIG} --workdir=/w --config.strategy=mirrored "
+                         "--config.cpu_replicas=2")
+
+
+@pytest.mark.parametrize("args, env, needles", [
+    (["--gpus=-1"], {}, ["--gpus=-1", "allowed"]),
+    (["--gpus=2", "--override=strategy=tpu"], {}, ["--override=strategy=tpu", "mirrored"]),
+    (["--override=batch_size"], {}, ["--override='batch_size'", "FIELD=VALUE"]),
+    (["--gpus=3"], {"CUDA_VISIBLE_DEVICES": "0,1"}, ["--gpus=3", "allowed: --gpus <= 2"]),
+    (["--max_restarts=-1"], {}, ["--max_restarts=-1", "allowed"]),
+])
+def test_single_machine_invalid_flags_fail_with_one_line(args, env, needles):
+  done = launcher("single_machine", f"--config={CONFIG}", "--workdir=/tmp/w", *args,
+                  "--dry_run", env=env)
+  assert_one_line_error(done, *needles)
+
+
+def test_single_machine_missing_workdir_and_config_file():
+  assert_one_line_error(launcher("single_machine", f"--config={CONFIG}", "--dry_run"),
+                        "--workdir is required")
+  assert_one_line_error(
+      launcher("single_machine", "--config=configs/nope.py:smoke", "--workdir=/w", "--dry_run"),
+      "--config=configs/nope.py:smoke", "configs/nope.py")
+
+
+def _counting_command(tmp_path, codes):
+  """A command that exits with codes[n] on its n-th run (counted in a file)."""
+  counter = tmp_path / "runs"
+  script = (f"import pathlib; p = pathlib.Path({str(counter)!r}); "
+            "n = int(p.read_text()) if p.exists() else 0; p.write_text(str(n + 1)); "
+            f"raise SystemExit({list(codes)!r}[n])")
+  return common.command(PY, "-c", script), counter
+
+
+def test_single_machine_restarts_while_preempted(tmp_path):
+  cmd, counter = _counting_command(tmp_path, [42, 42, 0])
+  assert single_machine.launch(cmd, max_restarts=3) == 0
+  assert counter.read_text() == "3"
+
+
+def test_single_machine_restarts_are_bounded(tmp_path):
+  cmd, counter = _counting_command(tmp_path, [42, 42, 42, 0])
+  assert single_machine.launch(cmd, max_restarts=1) == 42
+  assert counter.read_text() == "2"
+
+
+def test_single_machine_never_restarts_a_crash(tmp_path):
+  cmd, counter = _counting_command(tmp_path, [1, 0])
+  assert single_machine.launch(cmd, max_restarts=3) == 1
+  assert counter.read_text() == "1"
+
+
+# --- launch.multi_worker -------------------------------------------------------------------------
+
+
+def test_multi_worker_local_dry_run_writes_one_tf_config_per_worker():
+  workdir = "/tmp/mw"
+  lines = dry_run_lines("multi_worker", "--local=2", f"--config={CONFIG}:smoke,synthetic",
+                        f"--workdir={workdir}", "--timeout_s=240", "--override=seed=3")
+  assert len(lines) == 2
+  clusters = []
+  for index, line in enumerate(lines):
+    words = shlex.split(line)
+    assert words[0] == "CUDA_VISIBLE_DEVICES="
+    name, _, value = words[1].partition("=")
+    assert name == "TF_CONFIG"
+    config = json.loads(value)
+    assert config["task"] == {"type": "worker", "index": index}
+    clusters.append(config["cluster"])
+    assert words[2:] == ["timeout", "-k", "5", "240", PY, "-m", "trainer.main",
+                         f"--config={CONFIG}:smoke,synthetic", f"--workdir={workdir}",
+                         "--config.strategy=multi_worker_mirrored", "--config.seed=3"]
+  assert clusters[0] == clusters[1]
+  workers = clusters[0]["worker"]
+  assert list(clusters[0]) == ["worker"] and len(workers) == 2 and len(set(workers)) == 2
+  for worker in workers:
+    host, port = worker.split(":")
+    assert host == "127.0.0.1" and 0 < int(port) < 65536
+
+
+def test_multi_worker_remote_dry_run_is_one_ssh_per_host():
+  lines = dry_run_lines("multi_worker", "--hosts=h1:2222,10.0.0.3:2223", f"--config={CONFIG}",
+                        "--workdir=gs://bucket/run", "--remote_dir=/srv/micro step")
+  expected = []
+  for index, host in enumerate(["h1", "10.0.0.3"]):
+    tf_config = ('{"cluster":{"worker":["h1:2222","10.0.0.3:2223"]},'
+                 f'"task":{{"type":"worker","index":{index}}}}}')
+    remote = (f"cd '/srv/micro step' && TF_CONFIG='{tf_config}' python3 -m trainer.main "
+              f"--config={CONFIG} --workdir=gs://bucket/run "
+              "--config.strategy=multi_worker_mirrored")
+    assert shlex.split(lines[index]) == ["ssh", host, remote]
+    expected.append(shlex.join(["ssh", host, remote]))
+  assert lines == expected
+
+
+def test_multi_worker_tf_config_json():
+  assert json.loads(multi_worker.tf_config(["a:1", "b:2", "c:3"], 2)) == {
+      "cluster": {"worker": ["a:1", "b:2", "c:3"]}, "task": {"type": "worker", "index": 2}}
+
+
+@pytest.mark.parametrize("args, needles", [
+    ([], ["exactly one of --hosts", "--local=N"]),
+    (["--local=2", "--hosts=a:1,b:2"], ["exactly one of --hosts"]),
+    (["--hosts=h1,h2:2222"], ["--hosts entry 'h1'", "host:port"]),
+    (["--hosts=h1:70000"], ["--hosts entry 'h1:70000'", "1..65535"]),
+    (["--hosts=h1:1,h1:1"], ["twice"]),
+    (["--local=-2"], ["--local=-2", "allowed"]),
+    (["--local=2", "--timeout_s=0"], ["--timeout_s=0", "allowed"]),
+    (["--local=2", "--override=strategy=mirrored"],
+     ["--override=strategy=mirrored", "multi_worker_mirrored"]),
+])
+def test_multi_worker_invalid_flags_fail_with_one_line(args, needles):
+  done = launcher("multi_worker", f"--config={CONFIG}", "--workdir=/tmp/w", *args, "--dry_run")
+  assert_one_line_error(done, *needles)
+
+
+def test_supervise_stops_the_other_workers_when_one_fails(tmp_path):
+  pid_file = tmp_path / "pid"
+  sleeper = common.command("sh", "-c", f"echo $$ > {shlex.quote(str(pid_file))}; exec sleep 60")
+  failing = common.command("sh", "-c", "sleep 0.5; exit 3")
+  start = time.monotonic()
+  assert common.supervise([sleeper, failing], grace_s=5) == 3
+  assert time.monotonic() - start < 4  # SIGTERM, not the SIGKILL after grace_s.
+  pid = int(pid_file.read_text())
+  with pytest.raises(ProcessLookupError):
+    os.kill(pid, 0)
+
+
+def test_supervise_waits_for_all_and_prefers_a_real_crash():
+  ok = [common.command("sh", "-c", f"sleep {s}; exit 0") for s in (0.1, 0.6)]
+  assert common.supervise(ok) == 0
+  both = [common.command("sh", "-c", "sleep 0.3; exit 43"),
+          common.command("sh", "-c", "sleep 0.3; exit 1")]
+  assert common.supervise(both, poll_s=1.0) == 1
+
+
+def test_restart_loop_restarts_on_peer_lost_and_preempted_only():
+  for codes, max_restarts, result, calls in [([43, 42, 0], 3, 0, 3), ([43, 43, 43], 1, 43, 2),
+                                              ([1, 0], 3, 1, 1), ([0], 0, 0, 1)]:
+    seen = []
+
+    def attempt(n, codes=codes, seen=seen):
+      seen.append(n)
+      return codes[n]
+
+    assert common.run_with_restarts(attempt, max_restarts, "job") == result
+    assert seen == list(range(calls))
+
+
+@pytest.mark.slow
+def test_local_multi_worker_really_trains(tmp_path):
+  """Two real workers on 127.0.0.1 train the smoke recipe and leave a checkpoint."""
+  assert (REPO_ROOT / "trainer" / "main.py").is_file(), "trainer/main.py is not written yet"
+  workdir = tmp_path / "run"
+  done = launcher("multi_worker", "--local=2", f"--config={CONFIG}:smoke,synthetic",
+                  f"--workdir={workdir}", "--timeout_s=240", "--max_restarts=0", timeout=300)
+  assert done.returncode == 0, done.stderr[-4000:]
+  checkpoints = workdir / "checkpoints"
+  names = [p.name for p in checkpoints.rglob("*")] if checkpoints.is_dir() else []
+  assert any(n == "checkpoint" or n.startswith("ckpt-") for n in names), names
+
+
+# --- launch.tpu_vm -------------------------------------------------------------------------------
+
+TPU_ARGS = ("--tpu_name=fm", "--zone=us-central2-b", "--project=proj", f"--config={CONFIG}",
+            "--workdir=gs://bucket/fm")
+WHERE = "--zone=us-central2-b --project=proj"
+INSTALL = ("gcloud compute tpus tpu-vm ssh fm " + WHERE + " --worker=all '--command=cd ~/microstep"
+           " && python3 -m pip install -r launch/requirements-tpu.txt && python3 -m pip install "
+           "--no-deps '\"'\"'tf-models-official~=2.20.0'\"'\"' '\"'\"'tf-keras~=2.20.0'\"'\"''")
+TRAIN = ("gcloud compute tpus tpu-vm ssh fm " + WHERE + " --worker=all "
+         "--ssh-flag=-oServerAliveInterval=60 '--command=cd ~/microstep && python3 -m trainer.main"
+         f" --config={CONFIG} --workdir=gs://bucket/fm --config.strategy=tpu "
+         "--config.tpu_address=local")
+
+
+def test_tpu_dry_run_prints_create_scp_install_run_in_order():
+  lines = dry_run_lines("tpu_vm", *TPU_ARGS, "--queued_resource", "--spot", "--watch",
+                        "--accelerator_type=v5litepod-8", "--runtime_version=v2-alpha-tpuv5-lite",
+                        "--override=batch_size=1024")
+  assert lines == [
+      "gcloud compute tpus queued-resources create fm-qr " + WHERE + " --node-id=fm "
+      "--accelerator-type=v5litepod-8 --runtime-version=v2-alpha-tpuv5-lite --spot",
+      "gcloud compute tpus queued-resources describe fm-qr " + WHERE +
+      " '--format=value(state.state)'",
+      "gcloud compute tpus tpu-vm ssh fm " + WHERE + " --worker=all '--command=mkdir -p "
+      "~/microstep'",
+      "gcloud compute tpus tpu-vm scp --recurse trainer configs launch 'fm:~/microstep/' " + WHERE +
+      " --worker=all",
+      INSTALL,
+      TRAIN + " --config.batch_size=1024'",
+  ]
+
+
+def test_tpu_dry_run_existing_vm_skips_create_and_best_effort_uses_alpha():
+  lines = dry_run_lines("tpu_vm", *TPU_ARGS)
+  assert lines[0].startswith("gcloud compute tpus tpu-vm ssh fm ")
+  assert "mkdir -p ~/microstep" in lines[0]
+  assert lines[-2:] == [INSTALL, TRAIN + "'"]
+  lines = dry_run_lines("tpu_vm", *TPU_ARGS, "--queued_resource", "--best_effort",
+                        "--queued_resource_id=my-qr")
+  assert lines[0] == ("gcloud alpha compute tpus queued-resources create my-qr " + WHERE +
+                      " --node-id=fm --accelerator-type=v4-8 "
+                      "--runtime-version=tpu-ubuntu2204-base --best-effort")
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--workdir=/tmp/fm"], ["--workdir=/tmp/fm", "gs://"]),
+    (["--queued_resource", "--spot", "--best_effort"], ["--spot", "--best_effort"]),
+    (["--best_effort"], ["--best_effort needs --queued_resource"]),
+    (["--tpu_name="], ["--tpu_name is required"]),
+    (["--override=tpu_address=grpc://x"], ["--override=tpu_address=grpc://x", "local"]),
+    (["--requirements=launch/none.txt"], ["--requirements=", "none.txt"]),
+])
+def test_tpu_invalid_flags_fail_with_one_line(args, needles):
+  assert_one_line_error(launcher("tpu_vm", *TPU_ARGS, *args, "--dry_run"), *needles)
+
+
+class FakeRunner(tpu_vm.Runner):
+  """Records commands; the training run exits with `train_codes` in turn. The VM is READY until a
+  training run ends, then `vm_state_after_run` until the next create; the queued resource ACTIVE."""
+
+  def __init__(self, train_codes, vm_state_after_run="READY"):
+    super().__init__(dry_run=False, sleep=lambda s: None)
+    self.train_codes = list(train_codes)
+    self.vm_state_after_run = vm_state_after_run
+    self.vm_state = "READY"
+    self.calls = []
+
+  def run(self, cmd):
+    name = self._name(cmd)
+    self.calls.append(name)
+    if name == "train":
+      self.vm_state = self.vm_state_after_run
+      return self.train_codes.pop(0)
+    if name.endswith("-create"):
+      self.vm_state = "READY"
+    return 0
+
+  def query(self, cmd, dry_answer=""):
+    self.calls.append(self._name(cmd))
+    return 0, "ACTIVE" if "queued-resources" in cmd.argv else self.vm_state
+
+  @staticmethod
+  def _name(cmd):
+    text = cmd.shell()
+    for needle, name in [("trainer.main", "train"), ("pip install", "install"),
+                         ("mkdir -p", "mkdir"), (" scp ", "scp")]:
+      if needle in text:
+        return name
+    return f"{cmd.argv[3]}-{cmd.argv[4]}"  # e.g. queued-resources-create, tpu-vm-describe.
+
+
+def _plan(**kwargs):
+  return tpu_vm.TpuPlan("fm", "us-central2-b", CONFIG, "gs://bucket/fm", **kwargs)
+
+
+SETUP = ["mkdir", "scp", "install"]
+
+
+def test_tpu_watch_recreates_queued_resource_after_preemption_exit():
+  runner = FakeRunner([exit_codes.PREEMPTED_EXIT_CODE, 0])
+  assert tpu_vm.launch(_plan(queued_resource=True, spot=True), runner, watch=True,
+                       max_restarts=2) == 0
+  wait = ["queued-resources-describe"]
+  assert runner.calls == (
+      wait + wait + SETUP + ["train"] +  # Found ACTIVE: no create.
+      ["queued-resources-delete", "queued-resources-create"] + wait + SETUP + ["train"])
+
+
+def test_tpu_watch_recreates_vm_found_preempted_and_is_bounded():
+  runner = FakeRunner([255, 255, 255], vm_state_after_run="PREEMPTED")
+  assert tpu_vm.launch(_plan(), runner, watch=True, max_restarts=1) == 255
+  again = ["tpu-vm-delete", "tpu-vm-create"] + SETUP + ["train", "tpu-vm-describe"]
+  assert runner.calls == ["tpu-vm-describe"] + SETUP + ["train", "tpu-vm-describe"] + again
+
+
+def test_tpu_never_recreates_after_a_crash_or_without_watch():
+  runner = FakeRunner([1])
+  assert tpu_vm.launch(_plan(), runner, watch=True, max_restarts=3) == 1
+  assert runner.calls == ["tpu-vm-describe"] + SETUP + ["train", "tpu-vm-describe"]
+  runner = FakeRunner([exit_codes.PREEMPTED_EXIT_CODE])
+  assert tpu_vm.launch(_plan(), runner, watch=False, max_restarts=3) == 42
+  assert runner.calls == ["tpu-vm-describe"] + SETUP + ["train"]
+
+
+def test_requirements_pin_tpu_and_gpu_separately():
+  tpu = (REPO_ROOT / "launch" / "requirements-tpu.txt").read_text().splitlines()
+  gpu = (REPO_ROOT / "launch" / "requirements-gpu.txt").read_text().splitlines()
+  assert "-f https://storage.googleapis.com/libtpu-releases/index.html" in tpu
+  assert "tensorflow-tpu==2.20.0" in tpu
+  assert tpu_vm.no_deps_requirements("launch/requirements-tpu.txt") == [
+      "tf-models-official~=2.20.0", "tf-keras~=2.20.0"]
+  # Nothing installed *with* dependencies may pull the plain `tensorflow` wheel.
+  installed = [l for l in tpu if l.strip() and not l.startswith(("#", "-"))]
+  pulls_tensorflow = ("tensorflow=", "tensorflow~", "tensorflow[", "tf-models", "tf-keras")
+  assert not any(l.startswith(pulls_tensorflow) for l in installed), installed
+  assert "tensorflow[and-cuda]~=2.20.0" in gpu
+  assert not any("tensorflow-tpu" in l for l in gpu)

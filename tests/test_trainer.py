@@ -1,0 +1,113 @@
+"""The foundation (issue 2): replica equivalence, resume, the CLI, summaries and checkpoints."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import helpers
+from configs import fashion_mnist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _main(workdir, *overrides, timeout=300):
+  """Runs the real command line in a subprocess; returns the CompletedProcess."""
+  cmd = [sys.executable, "-m", "trainer.main", "--config=configs/fashion_mnist.py:smoke,synthetic",
+         f"--workdir={workdir}"] + [f"--config.{o}" for o in overrides]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env,
+                        check=False)
+
+
+def _model_tensors(checkpoint_dir):
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(checkpoint_dir))
+  names = sorted(n for n in reader.get_variable_to_shape_map() if n.startswith("weights/"))
+  assert names, "the checkpoint must hold the model's variables"
+  return {n: reader.get_tensor(n) for n in names}
+
+
+def test_mirrored_two_replicas_equals_default(tmp_path):
+  """5 updates of the real small CNN recipe: 2 logical CPU replicas vs one device."""
+  results = []
+  for name, overrides in (("default", {}), ("mirrored", {"strategy": "mirrored", "cpu_replicas": 2})):
+    config = fashion_mnist.get_config("smoke,synthetic")
+    config.update_from_flattened_dict(overrides)
+    strategy, trainer = helpers.build(config, tmp_path / name)
+    trainer.train(tf.constant(5))
+    results.append(helpers.snapshot(strategy, trainer)[0])
+  assert helpers.max_abs_diff(results[0], results[1]) <= 1e-5
+
+
+def test_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path):
+  common = ("deterministic=True", "checkpoint_every=4", "steps_per_loop=4", "eval_every=100")
+  full = _main(tmp_path / "full", "train_steps=8", *common)
+  assert full.returncode == 0, full.stderr[-2000:]
+  first = _main(tmp_path / "resumed", "train_steps=4", *common)
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = _main(tmp_path / "resumed", "train_steps=8", *common)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "restored" in second.stderr
+  a = _model_tensors(tmp_path / "full" / "checkpoints")
+  b = _model_tensors(tmp_path / "resumed" / "checkpoints")
+  assert a.keys() == b.keys()
+  for name in a:
+    assert np.array_equal(a[name], b[name]), name
+  # The data position is in the checkpoint: 8 updates of 1 micro-batch each.
+  reader = tf.train.load_checkpoint(tf.train.latest_checkpoint(tmp_path / "resumed" / "checkpoints"))
+  assert reader.get_tensor("micro_batches_seen/.ATTRIBUTES/VARIABLE_VALUE") == 8
+
+
+def test_cli_writes_config_summaries_checkpoints_and_logs(tmp_path):
+  out = _main(tmp_path, "optimizer.learning_rate=0.002")
+  assert out.returncode == 0, out.stderr[-2000:]
+  config = json.loads((tmp_path / "config.json").read_text())
+  assert config["optimizer"]["learning_rate"] == 0.002
+  assert glob.glob(str(tmp_path / "summaries" / "train" / "events.out.tfevents.*"))
+  assert glob.glob(str(tmp_path / "summaries" / "eval" / "events.out.tfevents.*"))
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-12")
+  lines = [l for l in out.stderr.splitlines() if "train step" in l]
+  assert len(lines) == 3, out.stderr[-2000:]  # 12 updates, 4 per loop.
+  for field in ("loss", "steps/s", "examples/s", "ETA"):
+    assert field in lines[-1]
+  result = json.loads((tmp_path / "result.json").read_text())
+  assert result["global_step"] == 12 and 0.0 <= result["eval"]["accuracy"] <= 1.0
+
+
+def _scalar_tags(directory):
+  tags = set()
+  for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      tags.update(v.tag for v in event.summary.value)
+  return tags
+
+
+def test_tensorboard_scalars(tmp_path):
+  out = _main(tmp_path)
+  assert out.returncode == 0, out.stderr[-2000:]
+  tags = _scalar_tags(str(tmp_path / "summaries" / "train"))
+  assert {"loss", "accuracy", "learning_rate", "examples_per_second"} <= tags, tags
+
+
+@pytest.mark.parametrize("override,message", [
+    ("strategy=ring", "`strategy`='ring' unknown; allowed: default, one_device, mirrored"),
+    ("batch_size=15", "`batch_size`=15 is not divisible by the 2 replicas"),
+    ("data.source=idx", "`data.dir`="),
+    ("batch_size=abc", "batch_size"),
+])
+def test_bad_input_fails_early_with_one_line(tmp_path, override, message):
+  extra = ["strategy=mirrored", "cpu_replicas=2"] if "batch_size=15" in override else []
+  if override == "data.source=idx":
+    extra = [f"data.dir={tmp_path / 'nowhere'}"]
+  out = _main(tmp_path / "w", override, *extra, timeout=120)
+  assert out.returncode != 0
+  assert message in out.stderr, out.stderr[-1500:]
+  if override == "data.source=idx":
+    assert "apt-get install dataset-fashion-mnist" in out.stderr
+  if override != "batch_size=abc":
+    errors = [l for l in out.stderr.splitlines() if l.startswith("microstep: error:")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr

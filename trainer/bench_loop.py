@@ -1,0 +1,130 @@
+r"""Benchmark: the Orbit loop against Keras 3 `model.fit`, same model, data, batch and strategy.
+
+  python -m trainer.bench loop [--epochs=6] [--strategy=default|mirrored] [--json=FILE]
+
+Both sides train the small CNN of configs/fashion_mnist.py on the real Fashion-MNIST (batch 128,
+Adam 1e-3) for `--epochs` epochs, then evaluate on the 10k test images. Keras uses one repeated
+`tf.data` iterator (the fast form from docs/benchmarks.md). Reported per side: steady examples/s
+(epochs after the first, which includes tracing), wall time of train+eval, test accuracy; and the
+ratio ours/Keras. Runs eagerly on the host; each side in its own subprocess, alternating.
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("epochs", 6, "Epochs per side.")
+flags.DEFINE_string("strategy", "default", "default or mirrored (2 logical CPUs).")
+flags.DEFINE_integer("rounds", 1, "Alternating rounds (keras, ours) to run.")
+flags.DEFINE_string("json", "", "Write the rows as JSON to this file.")
+flags.DEFINE_string("side", "", "Internal: run one side in this process.")
+flags.DEFINE_integer("seed", 0, "Seed for both sides.")
+
+STEPS_PER_EPOCH = 60000 // 128
+
+
+def _config():
+  from configs import fashion_mnist  # pylint: disable=g-import-not-at-top
+  config = fashion_mnist.get_config()
+  config.seed = FLAGS.seed
+  config.train_steps = STEPS_PER_EPOCH * FLAGS.epochs
+  config.steps_per_loop = STEPS_PER_EPOCH
+  config.eval_every = config.train_steps
+  config.checkpoint_every = config.train_steps
+  if FLAGS.strategy == "mirrored":
+    config.strategy, config.cpu_replicas = "mirrored", 2
+  return config
+
+
+def _keras_side(config):
+  import keras  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import data, models, strategies  # pylint: disable=g-import-not-at-top
+  keras.utils.set_random_seed(config.seed)
+  strategy = strategies.create_strategy(config)
+  (x, y), (xt, yt) = data.load_arrays(config.data, "train"), data.load_arrays(config.data, "test")
+  prep = lambda a: (a[..., None] / 255.0).astype("float32")
+  train = (tf.data.Dataset.from_tensor_slices((prep(x), y)).shuffle(60000, seed=config.seed)
+           .repeat().batch(config.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))
+  with strategy.scope():
+    model = models.classifier(config.model, (28, 28, 1), 10)
+    model.compile(optimizer=keras.optimizers.Adam(config.optimizer.learning_rate),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+  times = []
+
+  class Clock(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+      self.start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+      times.append(time.perf_counter() - self.start)
+
+  start = time.perf_counter()
+  model.fit(train, epochs=FLAGS.epochs, steps_per_epoch=STEPS_PER_EPOCH, callbacks=[Clock()],
+            verbose=0)
+  _, accuracy = model.evaluate(prep(xt), yt, batch_size=1000, verbose=0)
+  return times, time.perf_counter() - start, accuracy
+
+
+def _orbit_side(config, workdir):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import run  # pylint: disable=g-import-not-at-top
+  _, trainer, evaluator, _, eval_steps = run.build(config, workdir)
+  times = []
+  start = time.perf_counter()
+  for _ in range(FLAGS.epochs):
+    t0 = time.perf_counter()
+    trainer.train(tf.constant(STEPS_PER_EPOCH))
+    times.append(time.perf_counter() - t0)
+  accuracy = evaluator.evaluate(tf.constant(eval_steps))["accuracy"]
+  return times, time.perf_counter() - start, float(accuracy)
+
+
+def _one_side(side):
+  import tempfile  # pylint: disable=g-import-not-at-top
+  config = _config()
+  if side == "keras":
+    times, wall, accuracy = _keras_side(config)
+  else:
+    with tempfile.TemporaryDirectory() as workdir:
+      times, wall, accuracy = _orbit_side(config, workdir)
+  steady = sum(times[1:]) / max(len(times) - 1, 1)
+  row = {"method": side, "strategy": FLAGS.strategy, "epochs": FLAGS.epochs,
+         "examples_per_second": STEPS_PER_EPOCH * config.batch_size / steady,
+         "train_eval_seconds": wall, "test_accuracy": accuracy}
+  print("ROW " + json.dumps(row))
+
+
+def main(argv):
+  del argv
+  if FLAGS.side:
+    _one_side(FLAGS.side)
+    return
+  rows = []
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  for _ in range(FLAGS.rounds):
+    for side in ("keras", "microstep"):
+      cmd = [sys.executable, "-m", "trainer.bench", "loop", f"--side={side}",
+             f"--epochs={FLAGS.epochs}", f"--strategy={FLAGS.strategy}", f"--seed={FLAGS.seed}"]
+      out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
+      row_lines = [l for l in out.stdout.splitlines() if l.startswith("ROW ")]
+      if out.returncode or not row_lines:
+        raise RuntimeError(f"{side} side failed:\n{out.stderr[-3000:]}")
+      rows.append(json.loads(row_lines[-1][4:]))
+  print(f"{'method':<10} {'strategy':<9} {'examples/s':>11} {'train+eval s':>13} {'test acc':>9}")
+  for r in rows:
+    print(f"{r['method']:<10} {r['strategy']:<9} {r['examples_per_second']:>11.0f} "
+          f"{r['train_eval_seconds']:>13.1f} {r['test_accuracy']:>9.4f}")
+  ours = [r for r in rows if r["method"] == "microstep"]
+  theirs = [r for r in rows if r["method"] == "keras"]
+  ratio = (sum(r["examples_per_second"] for r in ours) / sum(r["examples_per_second"] for r in theirs))
+  time_ratio = sum(r["train_eval_seconds"] for r in ours) / sum(r["train_eval_seconds"] for r in theirs)
+  print(f"ratio examples/s ours/keras: {ratio:.3f}; train+eval time ours/keras: {time_ratio:.3f}")
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump({"rows": rows, "examples_per_second_ratio": ratio, "time_ratio": time_ratio}, f, indent=2)
