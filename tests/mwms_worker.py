@@ -1,0 +1,57 @@
+"""One worker of the two-process MultiWorkerMirroredStrategy tests (run by test_multi_worker.py).
+
+usage: python tests/mwms_worker.py INDEX PORT0,PORT1 OUT_DIR K OPTIMIZER
+Trains 3 updates of the tiny config under multi_worker_mirrored on 127.0.0.1 and writes
+OUT_DIR/worker{INDEX}.npz with the initial and final weights, the optimizer variables and the
+number of collective all-reduce ops in the traced update and micro-step.
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def collective_reduces(concrete_function) -> int:
+  """Counts CollectiveReduce* ops in a traced function and all functions it calls."""
+  graph_def = concrete_function.graph.as_graph_def()
+  nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+  return sum(1 for n in nodes if n.op.startswith("CollectiveReduce"))
+
+
+def main():
+  index, ports, out_dir, k, optimizer = sys.argv[1:6]
+  os.environ["TF_CONFIG"] = json.dumps({
+      "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(",")]},
+      "task": {"type": "worker", "index": int(index)}})
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import helpers  # pylint: disable=g-import-not-at-top
+  from test_accumulation import OPTIMIZERS  # pylint: disable=g-import-not-at-top
+
+  overrides = dict(OPTIMIZERS[optimizer])
+  overrides.update({"accumulation.steps": int(k), "optimizer.global_clipnorm": 0.3,
+                    "optimizer.warmup_steps": 2, "optimizer.decay": "cosine",
+                    "strategy": "multi_worker_mirrored", "peer_timeout_s": 60})
+  config = helpers.tiny_config(**overrides)
+  strategy, trainer = helpers.build(config, os.path.join(out_dir, "workdir"))
+  initial, _ = helpers.snapshot(strategy, trainer)
+  iterator = iter(trainer.train_dataset)
+  update_graph = tf.function(trainer.train_step).get_concrete_function(iterator)
+  micro_graph = None
+  if trainer.buffers is not None:
+    micro_graph = tf.function(lambda it: strategy.run(trainer.micro_step, args=(next(it),))
+                              ).get_concrete_function(iterator)
+  trainer.train(tf.constant(3))
+  weights, slots = helpers.snapshot(strategy, trainer)
+  np.savez(os.path.join(out_dir, f"worker{index}.npz"),
+           initial=np.array(initial, dtype=object), weights=np.array(weights, dtype=object),
+           slots=np.array(slots, dtype=object),
+           iterations=int(trainer.optimizer.iterations.numpy()),
+           update_reduces=collective_reduces(update_graph),
+           micro_reduces=-1 if micro_graph is None else collective_reduces(micro_graph))
+
+
+if __name__ == "__main__":
+  main()
