@@ -19,7 +19,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.peer_timeout_s = 120   # multi-worker: give up on a missing peer after this long.
   # --- What it trains.
   config.task = "classification"  # classification | triplet
-  config.model = "small_cnn"      # small_cnn | mlp | vgg16 | vgg_small
+  config.model = "small_cnn"      # small_cnn | small_cnn_bn | mlp | vgg16 | vgg_small
   config.mixed_precision = "float32"  # float32 | mixed_float16 | mixed_bfloat16
   config.seed = 0
   config.deterministic = False  # tf.config.experimental.enable_op_determinism()
@@ -75,16 +75,23 @@ def base_config() -> ml_collections.ConfigDict:
   return config
 
 
-def apply_variant_args(config: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
+def split_args(arg: str, allowed) -> set:
+  """Parses `a,b,c` into {a, b, c}, refusing names outside `allowed`."""
+  args = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  unknown = args - set(allowed)
+  if unknown:
+    raise ValueError(f"config arg {sorted(unknown)} unknown; allowed: {sorted(allowed)}")
+  return args
+
+
+def apply_variant_args(config: ml_collections.ConfigDict, arg: str,
+                       recipe_args=()) -> ml_collections.ConfigDict:
   """Applies comma-separated variant args shared by all recipes.
 
   `smoke`: seconds-long run (tests, CI). `synthetic`: generated data instead of the real files.
+  `recipe_args` are extra names a recipe handles itself (accepted here, not applied).
   """
-  known = {"smoke", "synthetic"}
-  args = {a.strip() for a in (arg or "").split(",") if a.strip()}
-  unknown = args - known
-  if unknown:
-    raise ValueError(f"config arg {sorted(unknown)} unknown; allowed: {sorted(known)}")
+  args = split_args(arg, {"smoke", "synthetic"} | set(recipe_args))
   if "smoke" in args:
     config.batch_size = min(config.batch_size, 32)
     config.train_steps = 12

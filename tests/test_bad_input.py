@@ -1,0 +1,154 @@
+"""Bad configs and bad data: each fails before any compute with one line, losing no checkpoint.
+
+The table below is the one in docs/robustness.md. Cases run in-process through `run.run` against
+a workdir that already holds a good checkpoint; after each case that checkpoint is still the
+latest and still restores.
+"""
+import gzip
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import helpers
+from trainer import data
+from trainer import run
+from trainer import validation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _idx(path, array):
+  dims = array.shape
+  header = bytes([0, 0, 8, len(dims)]) + b"".join(struct.pack(">I", d) for d in dims)
+  with gzip.open(path, "wb") as f:
+    f.write(header + array.astype(np.uint8).tobytes())
+
+
+def _fake_data_dir(root, images=(64, 28, 28), labels=None, truncate=False):
+  os.makedirs(root, exist_ok=True)
+  rng = np.random.RandomState(0)
+  for split, (image_name, label_name) in data._IDX_FILES.items():  # pylint: disable=protected-access
+    x = rng.randint(0, 255, images)
+    y = rng.randint(0, 10, images[0]) if labels is None else np.full(images[0], labels)
+    _idx(os.path.join(root, image_name), x)
+    _idx(os.path.join(root, label_name), y)
+    if truncate:
+      path = os.path.join(root, image_name)
+      raw = gzip.open(path).read()
+      with gzip.open(path, "wb") as f:
+        f.write(raw[: len(raw) // 2])
+  return str(root)
+
+
+# (case id, config overrides, data-dir maker or None, expected text in the one-line message)
+CASES = [
+    ("unknown strategy", {"strategy": "ring"}, None, "`strategy`='ring' unknown; allowed"),
+    ("batch not divisible", {"strategy": "mirrored", "cpu_replicas": 2, "batch_size": 15}, None,
+     "`batch_size`=15 is not divisible by the 2 replicas"),
+    ("eval batch not divisible", {"strategy": "mirrored", "cpu_replicas": 2,
+                                  "eval_batch_size": 33}, None, "`eval_batch_size`=33"),
+    ("k = 0", {"accumulation.steps": 0}, None, "`accumulation.steps`=0 must be an integer >= 1"),
+    ("unknown optimizer", {"optimizer.name": "lamb"}, None, "`optimizer.name`='lamb' unknown"),
+    ("negative learning rate", {"optimizer.learning_rate": -1.0}, None,
+     "`optimizer.learning_rate`=-1.0 must be a number > 0"),
+    ("momentum >= 1", {"optimizer.momentum": 1.5}, None, "`optimizer.momentum`=1.5 must be in [0, 1)"),
+    ("negative clip norm", {"optimizer.global_clipnorm": -1.0}, None,
+     "`optimizer.global_clipnorm`=-1.0 must be a number >= 0"),
+    ("unknown decay", {"optimizer.decay": "step"}, None, "`optimizer.decay`='step' unknown"),
+    ("unknown mode", {"mode": "predict"}, None, "`mode`='predict' unknown"),
+    ("unknown precision", {"mixed_precision": "float8"}, None, "`mixed_precision`='float8' unknown"),
+    ("unknown task", {"task": "segmentation"}, None, "`task`='segmentation' unknown"),
+    ("unknown model", {"model": "resnet"}, None, "`model`='resnet' unknown"),
+    ("unknown data source", {"data.source": "csv"}, None, "`data.source`='csv' unknown"),
+    ("cpu_replicas without mirrored", {"cpu_replicas": 2}, None, "needs `strategy`=mirrored"),
+    ("tpu without address", {"strategy": "tpu"}, None, "`tpu_address` is empty"),
+    ("zero batch", {"batch_size": 0}, None, "`batch_size`=0 must be an integer >= 1"),
+    ("negative train steps", {"train_steps": -5}, None, "`train_steps`=-5 must be an integer >= 1"),
+    ("zero steps per loop", {"steps_per_loop": 0}, None, "`steps_per_loop`=0"),
+    ("unknown batchnorm policy", {"accumulation.batchnorm": "ignore"}, None,
+     "`accumulation.batchnorm`='ignore' unknown"),
+    ("VGG image size", {"model": "vgg_small", "data.image_size": 30}, None,
+     "`data.image_size`=30 must be a multiple of 32"),
+    ("missing data dir", {"data.source": "idx", "data.dir": "/nonexistent/fmnist"}, None,
+     "apt-get install dataset-fashion-mnist"),
+    ("wrong image shape", {"data.source": "idx"}, lambda d: _fake_data_dir(d, images=(64, 32, 32)),
+     "train images have shape (64, 32, 32); expected [N, 28, 28]"),
+    ("labels out of range", {"data.source": "idx"}, lambda d: _fake_data_dir(d, labels=12),
+     "train labels span [12, 12]; allowed: 0..9"),
+    ("empty dataset", {"data.source": "idx"}, lambda d: _fake_data_dir(d, images=(0, 28, 28)),
+     "train split is empty"),
+    ("truncated file", {"data.source": "idx"}, lambda d: _fake_data_dir(d, truncate=True),
+     "is truncated"),
+]
+
+
+@pytest.fixture(scope="module")
+def trained_workdir(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("good")
+  run.run(helpers.tiny_config(), str(workdir))
+  latest = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+  assert latest
+  return workdir, latest
+
+
+@pytest.mark.parametrize("case,overrides,make_data,message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_table(trained_workdir, tmp_path, case, overrides, make_data, message):
+  del case
+  workdir, latest = trained_workdir
+  if make_data:
+    overrides = dict(overrides, **{"data.dir": make_data(tmp_path / "data")})
+  data._cached_arrays.cache_clear()  # pylint: disable=protected-access
+  config = helpers.tiny_config(**overrides)
+  with pytest.raises((validation.ConfigError, data.DataError)) as error:
+    run.run(config, str(workdir))
+  text = str(error.value)
+  assert message in text
+  assert "\n" not in text
+  assert tf.train.latest_checkpoint(str(workdir / "checkpoints")) == latest
+  tf.train.load_checkpoint(latest)  # Still readable.
+
+
+def test_nan_inputs_refused():
+  images = np.zeros((4, 28, 28), np.float32)
+  images[1, 3, 3] = np.nan
+  with pytest.raises(data.DataError, match="NaN or Inf"):
+    data.check_arrays(images, np.zeros(4, np.int64), "train")
+
+
+def test_unwritable_workdir(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  with pytest.raises(validation.ConfigError, match="`--workdir`=.* is not writable"):
+    run.run(helpers.tiny_config(), str(blocker / "sub"))
+
+
+def test_divergence_stops_with_a_clear_error(tmp_path):
+  """Non-finite updates are skipped and counted; after `max_consecutive_skips` the run stops."""
+  config = helpers.tiny_config(**{"optimizer.name": "sgd", "optimizer.learning_rate": 1e30,
+                                  "train_steps": 40, "steps_per_loop": 5,
+                                  "max_consecutive_skips": 5, "checkpoint_every": 5})
+  with pytest.raises(FloatingPointError, match="consecutive updates had non-finite"):
+    run.run(config, str(tmp_path))
+  latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+  assert latest is not None
+
+
+def test_cli_exit_codes(tmp_path):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  base = [sys.executable, "-m", "trainer.main", "--config=configs/fashion_mnist.py:smoke,synthetic",
+          f"--workdir={tmp_path}"]
+  bad = subprocess.run(base + ["--config.accumulation.steps=0"], cwd=REPO, capture_output=True,
+                       text=True, env=env, timeout=120, check=False)
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines()[-1].startswith("microstep: error: `accumulation.steps`=0")
+  diverge = subprocess.run(base + ["--config.optimizer.name=sgd", "--config.optimizer.learning_rate=1e30",
+                                   "--config.max_consecutive_skips=3", "--config.train_steps=40"],
+                           cwd=REPO, capture_output=True, text=True, env=env, timeout=120, check=False)
+  assert diverge.returncode == 3, diverge.stderr[-1500:]
+  shutil.rmtree(tmp_path, ignore_errors=True)
