@@ -1,0 +1,51 @@
+"""`python -m trainer.main` that SIGKILLs itself inside a chosen checkpoint save (fault tests).
+
+usage: python tests/crash_worker.py PHASE:STEP [trainer.main flags...]
+PHASE: before_write (nothing written), mid_write (a timer kills while files are written),
+after_files (files written, `checkpoint` index not yet updated). STEP: the global step whose save
+dies. Production code is untouched; the patches live only in this process.
+"""
+import os
+import random
+import signal
+import sys
+import threading
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _die():
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main():
+  phase, step = sys.argv[1].split(":")
+  step = int(step)
+  del sys.argv[1]
+  from tensorflow.python.checkpoint import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
+  from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=g-import-not-at-top
+  original_write = checkpoint_lib.Checkpoint._write  # pylint: disable=protected-access
+  original_state = checkpoint_management.update_checkpoint_state_internal
+
+  def write(self, file_prefix, options=None):
+    if file_prefix.endswith(f"ckpt-{step}"):
+      if phase == "before_write":
+        _die()
+      if phase == "mid_write":
+        threading.Timer(random.uniform(0.0, 0.02), _die).start()
+    return original_write(self, file_prefix, options=options)
+
+  def update_state(save_dir, model_checkpoint_path, *args, **kwargs):
+    if phase == "after_files" and model_checkpoint_path.endswith(f"ckpt-{step}"):
+      _die()
+    return original_state(save_dir, model_checkpoint_path, *args, **kwargs)
+
+  checkpoint_lib.Checkpoint._write = write  # pylint: disable=protected-access
+  checkpoint_management.update_checkpoint_state_internal = update_state
+  from absl import app  # pylint: disable=g-import-not-at-top
+  from trainer import main as trainer_main  # pylint: disable=g-import-not-at-top
+  app.run(trainer_main.main)
+
+
+if __name__ == "__main__":
+  main()

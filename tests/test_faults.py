@@ -1,0 +1,107 @@
+"""Faults (issue 5): kill -9 anywhere, SIGTERM, and resuming bitwise.
+
+Every subprocess runs under `timeout -k 5`; the tests signal only the PIDs they started.
+"""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from trainer import exit_codes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+FLAGS = ["--config=configs/fashion_mnist.py:smoke,synthetic", "--config.deterministic=True",
+         "--config.train_steps=30", "--config.steps_per_loop=2", "--config.checkpoint_every=2",
+         "--config.eval_every=1000", "--config.mode=train", "--config.accumulation.steps=2"]
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def _cmd(workdir, *extra, crash=None):
+  entry = [os.path.join(HERE, "crash_worker.py"), crash] if crash else ["-m", "trainer.main"]
+  return (["timeout", "-k", "5", "240", sys.executable] + entry + FLAGS
+          + [f"--workdir={workdir}"] + list(extra))
+
+
+def _weights(workdir):
+  path = tf.train.latest_checkpoint(os.path.join(workdir, "checkpoints"))
+  reader = tf.train.load_checkpoint(path)
+  names = sorted(n for n in reader.get_variable_to_shape_map() if n.startswith("weights/"))
+  return path, {n: reader.get_tensor(n) for n in names}
+
+
+def _finish(workdir):
+  out = subprocess.run(_cmd(workdir), cwd=REPO, env=ENV, capture_output=True, text=True,
+                       timeout=260, check=False)
+  assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_kill_9_at_random_points_then_resume_bitwise(tmp_path):
+  reference = tmp_path / "reference"
+  _finish(reference)
+  ref_path, ref_weights = _weights(reference)
+  assert ref_path.endswith("ckpt-30")
+  workdir = tmp_path / "killed"
+  rng = random.Random(1234)
+  # Three kills inside a save (before, during, after writing the files) and three at random times.
+  for crash in ("before_write:6", "mid_write:12", "after_files:18"):
+    out = subprocess.run(_cmd(workdir, crash=crash), cwd=REPO, env=ENV, capture_output=True,
+                         text=True, timeout=260, check=False)
+    assert out.returncode == -signal.SIGKILL or out.returncode == 128 + signal.SIGKILL, (
+        crash, out.returncode, out.stderr[-1500:])
+    latest = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+    step = int(crash.split(":")[1])
+    assert latest is None or int(latest.rsplit("-", 1)[1]) < step or crash.startswith("mid"), latest
+    if latest:
+      tf.train.load_checkpoint(latest)  # The latest checkpoint is never corrupt.
+  for _ in range(3):
+    proc = subprocess.Popen(_cmd(workdir), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    time.sleep(rng.uniform(4.0, 9.0))
+    if proc.poll() is None:
+      proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    latest = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
+    if latest:
+      tf.train.load_checkpoint(latest)
+  _finish(workdir)
+  path, weights = _weights(workdir)
+  assert path.endswith("ckpt-30")
+  assert weights.keys() == ref_weights.keys()
+  for name in weights:
+    assert np.array_equal(weights[name], ref_weights[name]), name
+
+
+def test_sigterm_checkpoints_and_exits_with_the_preempted_code(tmp_path):
+  cmd = _cmd(tmp_path, "--config.train_steps=100000")
+  proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    for line in proc.stderr:  # Wait until training is under way.
+      if "train step" in line or time.time() > deadline:
+        break
+    # `timeout` forwards SIGTERM to the trainer, as a scheduler signalling the job would.
+    proc.send_signal(signal.SIGTERM)
+    sent = time.time()
+    _, err = proc.communicate(timeout=30)
+    elapsed = time.time() - sent
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert elapsed < 10, elapsed
+  assert "preempted by SIGTERM" in err
+  latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+  step = int(latest.rsplit("-", 1)[1])
+  assert step >= 2
+  resumed = subprocess.run(_cmd(tmp_path, f"--config.train_steps={step + 4}"), cwd=REPO, env=ENV,
+                           capture_output=True, text=True, timeout=260, check=False)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert f"at update {step}" in resumed.stderr
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"ckpt-{step + 4}")
