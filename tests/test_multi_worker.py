@@ -63,3 +63,85 @@ def test_two_workers_equal_the_large_batch(tmp_path, opt):
   # One collective reduction per update (the packed vector), none in the micro-steps.
   assert int(results[0]["update_reduces"]) == 1
   assert int(results[0]["micro_reduces"]) == 0
+
+
+def _trainer_cmd(workdir, index, ports, *extra, timeout_s=120):
+  return (["timeout", "-k", "5", str(timeout_s), sys.executable, "-m", "trainer.main",
+           "--config=configs/fashion_mnist.py:smoke,synthetic", f"--workdir={workdir}",
+           "--config.strategy=multi_worker_mirrored", "--config.peer_timeout_s=15",
+           "--config.mode=train", "--config.steps_per_loop=5", "--config.checkpoint_every=5"]
+          + list(extra))
+
+
+def _worker_env(index, ports):
+  tf_config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]},
+               "task": {"type": "worker", "index": index}}
+  return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="",
+              TF_CONFIG=__import__("json").dumps(tf_config))
+
+
+REPO = os.path.dirname(HERE)
+
+
+def test_a_worker_whose_peer_never_arrives_exits_with_a_clear_error(tmp_path):
+  import time  # pylint: disable=g-import-not-at-top
+  from trainer import exit_codes  # pylint: disable=g-import-not-at-top
+  ports = free_ports(2)
+  start = time.time()
+  out = subprocess.run(_trainer_cmd(tmp_path, 0, ports), cwd=REPO, env=_worker_env(0, ports),
+                       capture_output=True, text=True, timeout=150, check=False)
+  # The watchdog SIGKILLs the stuck constructor (`timeout` then dies of the same signal).
+  assert out.returncode in (-9, 128 + 9), out.stderr[-2000:]
+  assert time.time() - start < 15 + 30
+  assert "microstep: error: not every worker" in out.stderr
+  assert "arrived within `peer_timeout_s`=15" in out.stderr
+  del exit_codes
+
+
+def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
+  import signal  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import exit_codes  # pylint: disable=g-import-not-at-top
+  ports = free_ports(2)
+  logs = [open(tmp_path / f"worker{i}.log", "w+") for i in range(2)]  # pylint: disable=consider-using-with
+  # No `timeout` wrapper here: the test must SIGKILL the trainer itself, by its own PID.
+  procs = [subprocess.Popen(
+      [sys.executable] + _trainer_cmd(tmp_path, i, ports, "--config.train_steps=100000")[5:],
+      cwd=REPO, env=_worker_env(i, ports), stdout=subprocess.DEVNULL, stderr=logs[i])
+           for i in range(2)]
+  try:
+    deadline = time.time() + 120
+    while tf.train.latest_checkpoint(str(tmp_path / "checkpoints")) is None:
+      assert time.time() < deadline, "no checkpoint within 120 s"
+      assert all(p.poll() is None for p in procs)
+      time.sleep(0.5)
+    procs[1].send_signal(signal.SIGKILL)  # We started it; we end it by its PID.
+    killed_at = time.time()
+    procs[0].wait(timeout=60)
+    logs[0].seek(0)
+    err = logs[0].read()
+    assert procs[0].returncode == exit_codes.PEER_LOST_EXIT_CODE, err[-2000:]
+    assert time.time() - killed_at < 15 + 10
+    assert "multi-worker peer stopped answering" in err
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(timeout=30)
+    for log in logs:
+      log.close()
+  step = int(tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).rsplit("-", 1)[1])
+  ports = free_ports(2)
+  logs = [tmp_path / f"restart{i}.log" for i in range(2)]
+  with open(logs[0], "w") as log0, open(logs[1], "w") as log1:
+    restarted = [subprocess.Popen(
+        _trainer_cmd(tmp_path, i, ports, f"--config.train_steps={step + 5}"), cwd=REPO,
+        env=_worker_env(i, ports), stdout=subprocess.DEVNULL, stderr=log)
+                 for i, log in enumerate((log0, log1))]
+    for p in restarted:
+      p.wait(timeout=150)
+  errs = [log.read_text() for log in logs]
+  assert [p.returncode for p in restarted] == [0, 0], errs[0][-1500:] + errs[1][-1500:]
+  assert f"at update {step}" in errs[0]
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"ckpt-{step + 5}")

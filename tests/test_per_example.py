@@ -64,6 +64,8 @@ MODELS = {
     "conv_valid_s2": lambda: _image_model(lambda: L.Conv2D(3, 3, strides=2, padding="valid")),
     "conv_same_s2": lambda: _image_model(
         lambda: L.Conv2D(3, (3, 2), strides=2, padding="same"), shape=(8, 9, 2)),
+    "conv_wide_s2": lambda: _image_model(  # Cin > 4: per-offset matmul layout.
+        lambda: L.Conv2D(3, 3, strides=2, padding="same"), shape=(7, 7, 6)),
     "conv_dil2_same": lambda: _image_model(lambda: L.Conv2D(3, 3, dilation_rate=2, padding="same")),
     "conv_dil2_valid": lambda: _image_model(lambda: L.Conv2D(3, 3, dilation_rate=2)),
     "depthwise": lambda: _image_model(

@@ -10,7 +10,8 @@ Methods (all on the same model and batch):
   batch_gradient  traced gradient of the mean loss (the reference cost)
 
 Each (method, batch size) runs in its own subprocess (unless --in_process), eagerly driving
-traced functions on the host: 2 warm-up calls, then the median wall time of `repeats` calls.
+traced functions on the host: 2 warm-up calls, then the median (and min) wall time of
+`repeats` calls; `ratio_to_batch_gradient` divides medians at the same batch size.
 Memory: `peak_rss_mib` is the subprocess' ru_maxrss; `rss_growth_mib` is that peak minus the
 RSS measured after the model and data were built and before the method's first call.
 """
@@ -34,7 +35,7 @@ def _parse(argv):
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--batch_sizes", default="32,128,256", help="comma-separated ints")
   p.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
-  p.add_argument("--repeats", type=int, default=10, help="timed calls per fast method")
+  p.add_argument("--repeats", type=int, default=20, help="timed calls per fast method")
   p.add_argument("--slow_repeats", type=int, default=3, help="timed calls for seed_loop/jacobian")
   p.add_argument("--slow_methods_max_batch", type=int, default=128,
                  help="skip seed_loop/jacobian above this batch size")
@@ -143,6 +144,7 @@ def measure(method, batch_size, repeats):
   median = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   return {"method": method, "batch_size": batch_size, "median_ms": 1e3 * median,
+          "min_ms": 1e3 * times[0],
           "repeats": repeats, "peak_rss_mib": round(peak, 1),
           "rss_growth_mib": round(peak - rss_before, 1)}
 
@@ -160,11 +162,11 @@ def _run_worker(method, batch_size, repeats):
 
 
 def _table(rows):
-  head = (f"{'method':<16}{'batch':>6}{'median_ms':>11}{'x batch':>9}{'peak_MiB':>10}"
+  head = (f"{'method':<16}{'batch':>6}{'median_ms':>11}{'min_ms':>9}{'x batch':>9}{'peak_MiB':>10}"
           f"{'growth_MiB':>12}{'repeats':>9}")
   out = [head, "-" * len(head)]
   for r in rows:
-    out.append(f"{r['method']:<16}{r['batch_size']:>6}{r['median_ms']:>11.1f}"
+    out.append(f"{r['method']:<16}{r['batch_size']:>6}{r['median_ms']:>11.1f}{r['min_ms']:>9.1f}"
                f"{r['ratio_to_batch_gradient'] or float('nan'):>9.2f}"
                f"{r.get('peak_rss_mib') or float('nan'):>10.0f}"
                f"{r.get('rss_growth_mib') or float('nan'):>12.0f}{r['repeats']:>9}")

@@ -92,8 +92,8 @@ def replica_statistics(per_example_grads: Sequence[tf.Tensor], variables: Sequen
                        f"variable {getattr(v, 'path', getattr(v, 'name', '?'))}.")
   ctx = tf.distribute.get_replica_context()
   if ctx is None:
-    raise ValueError("replica_statistics must run in replica context (inside strategy.run or "
-                     "outside any strategy scope's cross-replica code).")
+    raise ValueError("replica_statistics must run in replica context: inside strategy.run, or "
+                     "outside any strategy.scope().")
   replicas = float(ctx.num_replicas_in_sync)
   flats = [_flat(g) for g in per_example_grads]
   local_count = tf.cast(tf.shape(flats[0])[0], tf.float32)

@@ -32,6 +32,7 @@ class PreemptionWatcher:
   def __init__(self, strategy, checkpoint_manager, global_step):
     self._strategy, self._manager, self._global_step = strategy, checkpoint_manager, global_step
     self._signalled = False
+    self._sum_flags = None
 
   def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
     self._signalled = True
@@ -48,8 +49,10 @@ class PreemptionWatcher:
   def _anyone_signalled(self) -> bool:
     if not isinstance(self._strategy, tf.distribute.MultiWorkerMirroredStrategy):
       return self._signalled
-    flag = self._strategy.run(lambda: tf.constant(float(self._signalled)))
-    return bool(self._strategy.reduce(tf.distribute.ReduceOp.SUM, flag, axis=None).numpy() > 0)
+    if self._sum_flags is None:  # Traced once: eager collectives are slow and noisy.
+      self._sum_flags = tf.function(lambda flag: self._strategy.reduce(
+          tf.distribute.ReduceOp.SUM, self._strategy.run(lambda: flag), axis=None))
+    return bool(self._sum_flags(tf.constant(float(self._signalled))).numpy() > 0)
 
   def __call__(self, train_output) -> None:  # pylint: disable=unused-argument
     if not self._anyone_signalled():

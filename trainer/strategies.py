@@ -11,8 +11,11 @@ any model or dataset is built (logical CPU devices can only be created before TF
 | multi_worker_mirrored    | `MultiWorkerMirroredStrategy` from TF_CONFIG, collective timeout    |
 | tpu                      | `TPUStrategy` on `tpu_address` (`local` on a TPU VM)                |
 """
+import contextlib
 import json
 import os
+import subprocess
+import sys
 
 from absl import logging
 import tensorflow as tf
@@ -36,6 +39,38 @@ def _logical_cpus(count: int) -> list[str]:
   return [d.name for d in available[:count]]
 
 
+_WATCHDOG = """
+import os, select, signal, sys
+ready, _, _ = select.select([int(sys.argv[1])], [], [], float(sys.argv[2]))
+if not ready:
+  sys.stderr.write(sys.argv[3] + "\\n")
+  sys.stderr.flush()
+  os.kill(int(sys.argv[4]), signal.SIGKILL)
+"""
+
+
+@contextlib.contextmanager
+def _killed_if_stuck(seconds: float, message: str):
+  """SIGKILLs this process, after printing `message`, if the block runs longer than `seconds`.
+
+  MultiWorkerMirroredStrategy's constructor waits in C++, holding the GIL, until every worker has
+  connected: forever, and deaf to SIGTERM (TF's own preemption notifier takes it). No Python thread
+  or signal handler can run meanwhile, so a small watchdog process, which exits quietly as soon as
+  the block ends (or this process dies and closes the pipe), does the stopping.
+  """
+  read_end, write_end = os.pipe()
+  watchdog = subprocess.Popen(
+      [sys.executable, "-c", _WATCHDOG, str(read_end), str(seconds),
+       f"microstep: error: {message}", str(os.getpid())], pass_fds=(read_end,))
+  os.close(read_end)
+  try:
+    yield
+  finally:
+    os.write(write_end, b"done")
+    os.close(write_end)
+    watchdog.wait(timeout=30)
+
+
 def _multi_worker(config) -> tf.distribute.Strategy:
   tf_config = os.environ.get("TF_CONFIG", "")
   if not tf_config:
@@ -48,7 +83,10 @@ def _multi_worker(config) -> tf.distribute.Strategy:
   logging.info("multi-worker cluster: %s", cluster)
   options = tf.distribute.experimental.CommunicationOptions(
       timeout_seconds=float(config.peer_timeout_s))
-  return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+  message = (f"not every worker of {cluster} arrived within `peer_timeout_s`="
+             f"{config.peer_timeout_s}; start all workers together")
+  with _killed_if_stuck(float(config.peer_timeout_s), message):
+    return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
 
 def _tpu(config) -> tf.distribute.Strategy:
