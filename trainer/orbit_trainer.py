@@ -5,8 +5,9 @@
         train_loop_begin()                        # eager: reset loop sums, start the clock
         tf.while_loop over steps_per_loop:        # traced (tf.function)
           train_step(iterator):                   # cross-replica context
+            every per_example.every_steps updates: statistics of the first micro-batch
             k == 1: reduced = run(reduce_step, next(iterator))
-            k >  1: for _ in tf.range(k): run(micro_step, next(iterator))   # no communication
+            k >  1: k x run(micro_step, next(iterator))  # tf.range loop, no communication
                     reduced = run(reduce_buffers)                           # ONE all-reduce
             apply_if_finite(reduced)              # applies, or skips on every replica
             counters (global step, micro-batches, skips, loss scale)
@@ -22,6 +23,7 @@ import orbit
 import tensorflow as tf
 
 from trainer import accumulation
+from trainer import per_example_summaries
 from trainer import update
 
 _MIRRORED_SCALAR = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -46,6 +48,7 @@ class Trainer(orbit.StandardTrainer):
     self.model, self.optimizer = model, optimizer
     self.accumulation_steps = int(config.accumulation.steps)
     self.metric_names = ("loss", "weight") + tuple(task.metric_names)
+    per_example_summaries.check_supported(config)
     variables = model.trainable_variables
     if self.accumulation_steps > 1 and has_trainable_batchnorm(model) and (
         config.accumulation.batchnorm == "error"):
@@ -125,16 +128,29 @@ class Trainer(orbit.StandardTrainer):
   # --- Cross-replica context (traced).
   def train_step(self, iterator):
     """One optimizer update of k micro-steps; see the module docstring."""
+    first_batch = next(iterator)
+    self._maybe_write_statistics(first_batch)
     if self.accumulation_steps == 1:
-      reduced = self.strategy.run(self.reduce_step, args=(next(iterator),))
+      reduced = self.strategy.run(self.reduce_step, args=(first_batch,))
     else:
-      for _ in tf.range(self.accumulation_steps):
+      self.strategy.run(self.micro_step, args=(first_batch,))
+      for _ in tf.range(self.accumulation_steps - 1):
         self.strategy.run(self.micro_step, args=(next(iterator),))
       reduced = self.strategy.run(self.reduce_buffers)
     reduced = update.first_replica(self.strategy, reduced)
     applied = update.apply_if_finite(self.optimizer, reduced.grads,
                                      self.model.trainable_variables, reduced.finite)
     self._count(applied, reduced)
+
+  def _maybe_write_statistics(self, batch):
+    every = int(self.config.per_example.every_steps)
+    if not every:
+      return
+    tf.cond(tf.equal(self.global_step % every, 0),
+            lambda: per_example_summaries.write_statistics(
+                self.strategy, self.task, self.model, batch, self.global_step,
+                int(self.config.per_example.chunk_size)),
+            lambda: tf.constant(False))
 
   def _count(self, applied, reduced):
     self.global_step.assign_add(1)
