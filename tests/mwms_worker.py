@@ -13,13 +13,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def collective_reduces(concrete_function) -> int:
-  """Counts CollectiveReduce* ops in a traced function and all functions it calls."""
-  graph_def = concrete_function.graph.as_graph_def()
-  nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
-  return sum(1 for n in nodes if n.op.startswith("CollectiveReduce"))
-
-
 def main():
   index, ports, out_dir, k, optimizer = sys.argv[1:6]
   os.environ["TF_CONFIG"] = json.dumps({
@@ -28,6 +21,7 @@ def main():
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import helpers  # pylint: disable=g-import-not-at-top
+  from trainer import collectives  # pylint: disable=g-import-not-at-top
   from test_accumulation import OPTIMIZERS  # pylint: disable=g-import-not-at-top
 
   overrides = dict(OPTIMIZERS[optimizer])
@@ -49,8 +43,8 @@ def main():
            initial=np.array(initial, dtype=object), weights=np.array(weights, dtype=object),
            slots=np.array(slots, dtype=object),
            iterations=int(trainer.optimizer.iterations.numpy()),
-           update_reduces=collective_reduces(update_graph),
-           micro_reduces=-1 if micro_graph is None else collective_reduces(micro_graph))
+           update_reduces=collectives.collective_reduce_ops(update_graph),
+           micro_reduces=-1 if micro_graph is None else collectives.collective_reduce_ops(micro_graph))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """Where accumulation communicates, what it keeps local, and how it skips (issue 3)."""
-from unittest import mock
-
 import numpy as np
 import tensorflow as tf
 
 import helpers
+from trainer import collectives
 from trainer import run as run_lib
 from trainer import tasks
 
@@ -45,49 +44,19 @@ def test_micro_steps_stay_local(tmp_path):
   assert int(trainer.optimizer.iterations.numpy()) == 0
 
 
-class _AllReduceSpy:
-  """Counts cross-replica all-reduces (calls, tensors each) while a function is traced.
-
-  Only outermost calls on a context with more than one replica count: the default context's
-  all_reduce (what Keras calls when applying outside the strategy scope) is an identity, and
-  TF's implementation may call itself internally.
-  """
-
-  def __init__(self):
-    self.calls = []
-    self._original = tf.distribute.ReplicaContext.all_reduce
-    self._depth = 0
-
-  def __enter__(self):
-    spy = self
-
-    def counting(ctx, reduce_op, value, options=None):
-      if spy._depth == 0 and ctx.num_replicas_in_sync > 1:
-        spy.calls.append(len(tf.nest.flatten(value)))
-      spy._depth += 1
-      try:
-        return spy._original(ctx, reduce_op, value, options)
-      finally:
-        spy._depth -= 1
-    self._patch = mock.patch.object(tf.distribute.ReplicaContext, "all_reduce", counting)
-    self._patch.__enter__()
-    return self
-
-  def __exit__(self, *exc):
-    self._patch.__exit__(*exc)
-
-
 def test_one_packed_all_reduce_per_update(tmp_path):
   config = _mirrored_config()
   strategy, trainer = helpers.build(config, tmp_path)
   iterator = iter(trainer.train_dataset)
-  with _AllReduceSpy() as micro_spy:
-    tf.function(lambda it: strategy.run(trainer.micro_step, args=(next(it),))
-                ).get_concrete_function(iterator)
-  assert micro_spy.calls == []
-  with _AllReduceSpy() as step_spy:
-    tf.function(trainer.train_step).get_concrete_function(iterator)
-  assert step_spy.calls == [1], "one all-reduce of one packed tensor per update"
+  with collectives.AllReduceCounter() as micro_count:
+    micro = tf.function(lambda it: strategy.run(trainer.micro_step, args=(next(it),))
+                        ).get_concrete_function(iterator)
+  assert (micro_count.calls, collectives.collective_reduce_ops(micro)) == (0, 0)
+  with collectives.AllReduceCounter() as update_count:
+    step = tf.function(trainer.train_step).get_concrete_function(iterator)
+  assert (update_count.calls, update_count.tensors) == (1, 1), "one all-reduce, one packed tensor"
+  # MirroredStrategy on 2 CPUs emits one CollectiveReduce op per device for that one reduction.
+  assert collectives.collective_reduce_ops(step) == 2
 
 
 def test_overflow_on_one_replica_skips_the_whole_update(tmp_path):

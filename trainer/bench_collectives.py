@@ -7,6 +7,8 @@ micro-steps per update. Counted per update:
   * `all_reduce calls` and `tensors reduced`: replica-context `all_reduce` calls (outermost, on a
     context with more than one replica) made while ONE update runs or is traced, and how many
     tensors they carry;
+  * `cross-device reductions`: every reduction through `tf.distribute.CrossDeviceOps`, including
+    those hidden in mirrored-variable updates (Keras' ON_WRITE accumulators);
   * `collective ops`: CollectiveReduce* ops in the traced update graph (MirroredStrategy on CPUs
     uses collective ops; one op per replica device per reduction).
 Keras 3's `gradient_accumulation_steps` is measured inside `model.fit`; where it cannot be traced
@@ -14,47 +16,14 @@ under the strategy (the `merge_call` error of keras #20582), the eager count is 
 the error is printed. Runs eagerly on the host, one process.
 """
 import json
-from unittest import mock
 
 from absl import flags
+
+from trainer import collectives
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("k", 4, "Micro-steps per update.")
 flags.DEFINE_string("json", "", "Write the rows as JSON here.")
-
-
-class AllReduceCounter:
-  """Counts outermost multi-replica `ReplicaContext.all_reduce` calls and their tensors."""
-
-  def __init__(self):
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    self.calls, self.tensors, self._depth = 0, 0, 0
-    self._original = tf.distribute.ReplicaContext.all_reduce
-    counter = self
-
-    def counting(ctx, reduce_op, value, options=None):
-      if counter._depth == 0 and ctx.num_replicas_in_sync > 1:
-        counter.calls += 1
-        counter.tensors += len(tf.nest.flatten(value))
-      counter._depth += 1
-      try:
-        return counter._original(ctx, reduce_op, value, options)
-      finally:
-        counter._depth -= 1
-    self._patch = mock.patch.object(tf.distribute.ReplicaContext, "all_reduce", counting)
-
-  def __enter__(self):
-    self._patch.__enter__()
-    return self
-
-  def __exit__(self, *exc):
-    self._patch.__exit__(*exc)
-
-
-def collective_ops(concrete_function) -> int:
-  graph_def = concrete_function.graph.as_graph_def()
-  nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
-  return sum(1 for n in nodes if n.op.startswith("CollectiveReduce"))
 
 
 def _config(k):
@@ -73,11 +42,11 @@ def _ours(k):
   with tempfile.TemporaryDirectory() as workdir:
     strategy, trainer, _, _, _ = run.build(_config(k), workdir)
     iterator = iter(trainer.train_dataset)
-    with AllReduceCounter() as counter:
+    with collectives.AllReduceCounter() as counter:
       graph = tf.function(trainer.train_step).get_concrete_function(iterator)
     del strategy
   return {"method": "microstep", "k": k, "traced": True, "all_reduce_calls": counter.calls,
-          "tensors_reduced": counter.tensors, "collective_ops": collective_ops(graph),
+          "tensors_reduced": counter.tensors, "cross_device_reductions": counter.cross_device, "collective_ops": collectives.collective_reduce_ops(graph),
           "variables": len(trainer.model.trainable_variables), "error": ""}
 
 
@@ -99,12 +68,14 @@ def _keras(k, run_eagerly):
          "k": k, "traced": not run_eagerly, "variables": len(model.trainable_variables),
          "collective_ops": None, "error": ""}
   try:
-    with AllReduceCounter() as counter:
+    with collectives.AllReduceCounter() as counter:
       model.fit(dataset, epochs=1, steps_per_epoch=k, verbose=0)
     # Eagerly every call executes; traced, each distinct trace is counted once.
-    row.update(all_reduce_calls=counter.calls, tensors_reduced=counter.tensors)
+    row.update(all_reduce_calls=counter.calls, tensors_reduced=counter.tensors,
+               cross_device_reductions=counter.cross_device)
   except Exception as e:  # pylint: disable=broad-except
-    row.update(all_reduce_calls=None, tensors_reduced=None, error=str(e).splitlines()[0][:160])
+    row.update(all_reduce_calls=None, tensors_reduced=None, cross_device_reductions=None,
+               error=str(e).splitlines()[0][:160])
   return row
 
 
@@ -112,11 +83,12 @@ def main(argv):
   del argv
   rows = [_ours(FLAGS.k), _keras(FLAGS.k, run_eagerly=False), _keras(FLAGS.k, run_eagerly=True)]
   print(f"per update of k={FLAGS.k} micro-steps, MirroredStrategy over 2 logical CPUs, small CNN")
-  print(f"{'method':<42} {'all_reduce calls':>16} {'tensors':>8} {'collective ops':>15}  note")
+  print(f"{'method':<40} {'all_reduce calls':>16} {'tensors':>8} {'cross-device':>13} "
+        f"{'collective ops':>15}  note")
   for r in rows:
     fmt = lambda v: "-" if v is None else str(v)
-    print(f"{r['method']:<42} {fmt(r['all_reduce_calls']):>16} {fmt(r['tensors_reduced']):>8} "
-          f"{fmt(r['collective_ops']):>15}  {r['error']}")
+    print(f"{r['method']:<40} {fmt(r['all_reduce_calls']):>16} {fmt(r['tensors_reduced']):>8} "
+          f"{fmt(r['cross_device_reductions']):>13} {fmt(r['collective_ops']):>15}  {r['error']}")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(rows, f, indent=2)

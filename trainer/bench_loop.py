@@ -1,6 +1,6 @@
 r"""Benchmark: the Orbit loop against Keras 3 `model.fit`, same model, data, batch and strategy.
 
-  python -m trainer.bench loop [--epochs=6] [--strategy=default|mirrored] [--json=FILE]
+  python -m trainer.bench loop [--epochs=5] [--strategy=default|mirrored] [--json=FILE]
 
 Both sides train the small CNN of configs/fashion_mnist.py on the real Fashion-MNIST (batch 128).
 Keras (`model.fit`, constant Adam 1e-3 as users write it, one repeated `tf.data` iterator, the fast
@@ -12,15 +12,15 @@ which includes tracing), training+eval wall time, test accuracy; and the ratios 
 side runs in its own subprocess, alternating over `--rounds`.
 """
 import json
-import os
-import subprocess
 import sys
 import time
 
 from absl import flags
 
+from trainer import bench_util
+
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("epochs", 6, "microstep epochs (the default recipe has 6).")
+flags.DEFINE_integer("epochs", 5, "microstep epochs (the default recipe has 5).")
 flags.DEFINE_integer("keras_epochs", 10, "Most epochs Keras may take to reach --target.")
 flags.DEFINE_float("keras_learning_rate", 1e-3, "Keras side: constant Adam learning rate.")
 flags.DEFINE_float("target", 0.90, "Test accuracy defining Keras' time to accuracy.")
@@ -106,7 +106,7 @@ def _one_side(side):
   row = {"method": side, "strategy": FLAGS.strategy, "epochs": len(times),
          "examples_per_second": STEPS_PER_EPOCH * config.batch_size / steady,
          "train_eval_seconds": wall, "test_accuracy": accuracy, "reached_target": reached}
-  print("ROW " + json.dumps(row))
+  bench_util.print_row(row)
 
 
 def main(argv):
@@ -115,18 +115,13 @@ def main(argv):
     _one_side(FLAGS.side)
     return
   rows = []
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   for _ in range(FLAGS.rounds):
     for side in ("keras", "microstep"):
       cmd = [sys.executable, "-m", "trainer.bench", "loop", f"--side={side}",
              f"--epochs={FLAGS.epochs}", f"--keras_epochs={FLAGS.keras_epochs}",
              f"--target={FLAGS.target}", f"--strategy={FLAGS.strategy}", f"--seed={FLAGS.seed}",
              f"--keras_learning_rate={FLAGS.keras_learning_rate}"]
-      out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
-      row_lines = [l for l in out.stdout.splitlines() if l.startswith("ROW ")]
-      if out.returncode or not row_lines:
-        raise RuntimeError(f"{side} side failed:\n{out.stderr[-3000:]}")
-      rows.append(json.loads(row_lines[-1][4:]))
+      rows.append(bench_util.run_row(cmd, f"{side} side"))
   print(f"{'method':<10} {'strategy':<9} {'epochs':>6} {'examples/s':>11} {'train+eval s':>13} "
         f"{'test acc':>9}")
   for r in rows:

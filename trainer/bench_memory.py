@@ -10,15 +10,15 @@ update (tracing), then `--updates` timed updates. Reported: peak resident memory
 k*b batch (time), as issue 3 asks.
 """
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from absl import flags
+
+from trainer import bench_util
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "vgg16", "Model name from trainer.models.")
@@ -52,7 +52,7 @@ def _run_case(batch, k):
          "seconds_per_update": statistics.median(times)}
   if tf.config.list_physical_devices("GPU"):
     row["gpu_peak_mib"] = tf.config.experimental.get_memory_info("GPU:0")["peak"] / 2**20
-  print("ROW " + json.dumps(row))
+  bench_util.print_row(row)
 
 
 def main(argv):
@@ -62,16 +62,11 @@ def main(argv):
     return
   b, k = FLAGS.b, FLAGS.k
   rows = []
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
   for batch, steps in ((b, 1), (b, k), (k * b, 1)):
     cmd = [sys.executable, "-m", "trainer.bench", "memory", f"--case={batch},{steps}",
            f"--model={FLAGS.model}", f"--image_size={FLAGS.image_size}",
            f"--updates={FLAGS.updates}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
-    lines = [l for l in out.stdout.splitlines() if l.startswith("ROW ")]
-    if out.returncode or not lines:
-      raise RuntimeError(f"case {batch},{steps} failed:\n{out.stderr[-3000:]}")
-    rows.append(json.loads(lines[-1][4:]))
+    rows.append(bench_util.run_row(cmd, f"case {batch}x{steps}"))
   small, accumulated, big = rows
   summary = {"memory_kxb_over_b": accumulated["peak_rss_mib"] / small["peak_rss_mib"],
              "memory_kb_over_b": big["peak_rss_mib"] / small["peak_rss_mib"],

@@ -19,9 +19,10 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
+
+from trainer import bench_util
 
 METHODS = ("seed_loop", "jacobian", "vectorized_map", "microstep", "batch_gradient")
 SLOW = ("seed_loop", "jacobian")
@@ -152,13 +153,7 @@ def measure(method, batch_size, repeats):
 def _run_worker(method, batch_size, repeats):
   cmd = [sys.executable, "-m", "trainer.bench_per_example", "--_worker", method,
          str(batch_size), str(repeats)]
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
-  done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, check=False)
-  lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
-  if done.returncode != 0 or not lines:
-    raise RuntimeError(f"bench worker {method} B={batch_size} failed (rc {done.returncode}): "
-                       f"{done.stderr[-2000:]}")
-  return json.loads(lines[-1])
+  return bench_util.run_row(cmd, f"bench worker {method} B={batch_size}", timeout_s=1200)
 
 
 def _table(rows):
@@ -177,7 +172,7 @@ def main(argv) -> int:
   args = _parse(argv)
   if args._worker:  # pylint: disable=protected-access
     method, batch, repeats = args._worker  # pylint: disable=protected-access
-    print(json.dumps(measure(method, int(batch), int(repeats))), flush=True)
+    bench_util.print_row(measure(method, int(batch), int(repeats)))
     return 0
   rows = []
   for batch_size in args.batch_sizes:

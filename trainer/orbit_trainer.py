@@ -25,6 +25,7 @@ import tensorflow as tf
 from trainer import accumulation
 from trainer import per_example_summaries
 from trainer import update
+from trainer import validation
 
 _MIRRORED_SCALAR = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
@@ -48,13 +49,13 @@ class Trainer(orbit.StandardTrainer):
     self.model, self.optimizer = model, optimizer
     self.accumulation_steps = int(config.accumulation.steps)
     self.metric_names = ("loss", "weight") + tuple(task.metric_names)
-    per_example_summaries.check_supported(config)
     variables = model.trainable_variables
     if self.accumulation_steps > 1 and has_trainable_batchnorm(model) and (
         config.accumulation.batchnorm == "error"):
-      raise ValueError("`accumulation.steps`>1 with trainable BatchNormalization: set "
-                       "`accumulation.batchnorm`=per_micro_batch (statistics per micro-batch, "
-                       "documented in docs/accumulation.md) or use a model without BatchNorm")
+      raise validation.ConfigError(
+          "`accumulation.steps`>1 with trainable BatchNormalization: set "
+          "`accumulation.batchnorm`=per_micro_batch (statistics per micro-batch, documented in "
+          "docs/accumulation.md) or use a model without BatchNorm")
     with strategy.scope():
       optimizer.build(variables)
       self.global_step = orbit.utils.create_global_step()
@@ -113,6 +114,7 @@ class Trainer(orbit.StandardTrainer):
     self.buffers.add(*self.local_sums(batch))
 
   def _finalize(self, grads, scalars):
+    """The update's one all-reduce, normalisation and clipping (replica context)."""
     return update.finalize_gradients(
         grads, scalars, loss_scale=self.loss_scale,
         global_clipnorm=float(self.config.optimizer.global_clipnorm))
@@ -143,6 +145,7 @@ class Trainer(orbit.StandardTrainer):
     self._count(applied, reduced)
 
   def _maybe_write_statistics(self, batch):
+    """Per-example statistics of `batch` every n updates (cross-replica context, traced)."""
     every = int(self.config.per_example.every_steps)
     if not every:
       return
@@ -153,6 +156,7 @@ class Trainer(orbit.StandardTrainer):
             lambda: tf.constant(False))
 
   def _count(self, applied, reduced):
+    """Advances the counters and the loss scale after an update (cross-replica, traced)."""
     self.global_step.assign_add(1)
     self.micro_batches_seen.assign_add(self.accumulation_steps)
     skipped = 1 - tf.cast(applied, tf.int64)

@@ -22,13 +22,6 @@ SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
 HISTOGRAMS = ("norms", "cosines")
 
 
-def check_supported(config) -> None:
-  """Per-example statistics need examples that do not interact (eager, host)."""
-  if config.per_example.every_steps and config.task != "classification":
-    raise ValueError(f"`per_example.every_steps` needs `task`=classification (a {config.task} "
-                     "example spans several forward rows); set it to 0")
-
-
 def write_statistics(strategy, task, model, batch, step, chunk_size: int) -> tf.Tensor:
   """Computes and writes the statistics of `batch` (cross-replica context, traced)."""
   def replica_fn(local_batch):

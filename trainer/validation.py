@@ -74,6 +74,9 @@ def validate(config) -> None:
   if config.summary_every and config.summary_every % config.steps_per_loop:
     raise ConfigError(f"`summary_every`={config.summary_every} must be a multiple of "
                       f"`steps_per_loop`={config.steps_per_loop}")
+  if config.per_example.every_steps and config.task != "classification":
+    raise ConfigError(f"`per_example.every_steps` needs `task`=classification (a {config.task} "
+                      "example spans several forward rows); set it to 0")
   if config.cpu_replicas:
     validate_replicas(config, config.cpu_replicas)
 
