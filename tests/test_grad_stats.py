@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 from trainer import grad_stats
+from trainer import strategies
 from trainer.per_example import per_example_gradients
 
 SCALARS = ("count", "grad_norm", "mean_norm", "mean_sq_norm", "trace", "variance", "diversity",
@@ -114,7 +115,7 @@ def test_mirrored_two_replicas_equal_single_replica_and_one_all_reduce():
   b = 8
   x = tf.constant(rng.normal(size=(b, 5)), tf.float32)
   y = tf.constant(rng.integers(0, 3, size=b), tf.int32)
-  strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+  strategy = strategies.mirrored_strategy(["/cpu:0", "/cpu:1"])
   with strategy.scope():
     model = _tiny_model()
 

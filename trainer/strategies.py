@@ -12,6 +12,7 @@ any model or dataset is built (logical CPU devices can only be created before TF
 | tpu                      | `TPUStrategy` on `tpu_address` (`local` on a TPU VM)                |
 """
 import contextlib
+import itertools
 import json
 import os
 import subprocess
@@ -21,6 +22,27 @@ from absl import logging
 import tensorflow as tf
 
 STRATEGIES = ("default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+
+
+_mirrored_created = itertools.count()
+
+
+def mirrored_strategy(devices=None) -> tf.distribute.MirroredStrategy:
+  """A MirroredStrategy whose collective keys cannot collide with an earlier one's.
+
+  Every MirroredStrategy numbers its collective groups and instances from the same start, and the
+  collective runtime caches each instance's shape per process; a second strategy in one process
+  (tests, notebooks, benchmark drivers) then reuses instance keys with other shapes and aborts
+  ("Shape mismatch in the collective instance"). TF reads the start from the class attribute
+  `_collective_key_base` during construction, so each strategy gets its own range.
+  """
+  cls = tf.distribute.MirroredStrategy
+  saved = cls._collective_key_base  # pylint: disable=protected-access
+  cls._collective_key_base = saved + 10_000 * (1 + next(_mirrored_created))  # pylint: disable=protected-access
+  try:
+    return cls(devices)
+  finally:
+    cls._collective_key_base = saved  # pylint: disable=protected-access
 
 
 def _logical_cpus(count: int) -> list[str]:
@@ -114,10 +136,10 @@ def create_strategy(config) -> tf.distribute.Strategy:
     return tf.distribute.OneDeviceStrategy(device)
   if name == "mirrored":
     if config.cpu_replicas:
-      return tf.distribute.MirroredStrategy(_logical_cpus(config.cpu_replicas))
+      return mirrored_strategy(_logical_cpus(config.cpu_replicas))
     if not tf.config.list_physical_devices("GPU"):
       logging.warning("strategy=mirrored without GPUs and cpu_replicas=0: one CPU replica.")
-    return tf.distribute.MirroredStrategy()
+    return mirrored_strategy()
   if name == "multi_worker_mirrored":
     return _multi_worker(config)
   return _tpu(config)
