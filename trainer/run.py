@@ -78,8 +78,10 @@ def build(config, workdir):
       checkpoint, own_dir, max_to_keep=config.keep_checkpoints if is_chief else 1,
       step_counter=trainer.global_step, checkpoint_interval=config.checkpoint_every)
   latest = tf.train.latest_checkpoint(chief_dir)
-  if latest:
-    checkpoint.restore(latest).assert_existing_objects_matched()
+  if latest:  # Before the datasets exist: they start at the restored data position. (The
+    # Controller restores the same checkpoint again on the chief; that is harmless.)
+    with strategy.scope():
+      checkpoint.restore(latest).assert_existing_objects_matched()
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
   start = int(trainer.micro_batches_seen.numpy())
   trainer.train_dataset = _distribute(strategy, config.batch_size, train_batch, start_batch=start)
@@ -127,6 +129,6 @@ def run(config, workdir: str) -> dict:
   if _is_chief(strategy)[0]:
     with tf.io.gfile.GFile(os.path.join(workdir, "result.json"), "w") as f:
       json.dump(result, f, indent=2)
-  if not _is_chief(strategy)[0]:
+  else:
     shutil.rmtree(manager.directory, ignore_errors=True)
   return result
