@@ -111,3 +111,17 @@ def test_bad_input_fails_early_with_one_line(tmp_path, override, message):
   if override != "batch_size=abc":
     errors = [l for l in out.stderr.splitlines() if l.startswith("microstep: error:")]
     assert len(errors) == 1 and "Traceback" not in out.stderr
+
+
+def test_eval_and_continuous_eval_modes_read_the_checkpoints(tmp_path):
+  from trainer import run  # pylint: disable=g-import-not-at-top
+  trained = run.run(helpers.tiny_config(**{"mode": "train", "train_steps": 4,
+                                           "checkpoint_every": 2, "steps_per_loop": 2}),
+                    str(tmp_path))
+  assert trained["global_step"] == 4 and "eval" not in trained
+  evaluated = run.run(helpers.tiny_config(mode="eval"), str(tmp_path))
+  assert evaluated["global_step"] == 4, "eval restores the latest checkpoint"
+  assert evaluated["eval"]["examples"] == 64.0  # The whole synthetic test split, once.
+  continuous = run.run(helpers.tiny_config(mode="continuous_eval", eval_timeout_s=1),
+                       str(tmp_path))
+  assert continuous["eval"]["accuracy"] == pytest.approx(evaluated["eval"]["accuracy"])

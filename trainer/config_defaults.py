@@ -39,6 +39,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.mode = "train_and_eval"  # train | eval | train_and_eval | continuous_eval
   config.eval_every = 1000      # Updates between evaluations.
   config.eval_steps = -1        # -1: the whole test split.
+  config.eval_timeout_s = 600   # continuous_eval: stop after this long without a new checkpoint.
   config.checkpoint_every = 1000  # Updates between checkpoints.
   config.keep_checkpoints = 3
   config.summary_every = 0      # Updates between in-loop summaries; 0: every loop end.

@@ -79,10 +79,12 @@ class Trainer(orbit.StandardTrainer):
   def checkpoint_items(self) -> dict:
     """What a checkpoint holds: weights, model, optimizer, counters (incl. data position), loss scale.
 
-    `weights` comes first so that each model variable is stored under the readable key
-    `weights/<keras path, "/" as "-">/.ATTRIBUTES/VARIABLE_VALUE` (tf.train.load_checkpoint).
+    `weights` stores each model variable under the readable key
+    `weights/<index in model.weights>-<variable name>/.ATTRIBUTES/VARIABLE_VALUE`, e.g.
+    `weights/000-kernel/...` (tf.train.load_checkpoint). Keras layer names come from a
+    process-wide counter (`dense`, `dense_1`, ...), so they are left out of the keys.
     """
-    weights = {v.path.replace("/", "-"): v.value for v in self.model.weights}
+    weights = {f"{i:03d}-{v.name}": v.value for i, v in enumerate(self.model.weights)}
     items = dict(weights=weights, model=self.model, optimizer=self.optimizer,
                  global_step=self.global_step,
                  micro_batches_seen=self.micro_batches_seen, skipped_updates=self.skipped_updates,

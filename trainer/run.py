@@ -117,7 +117,7 @@ def run(config, workdir: str) -> dict:
             train_steps=config.train_steps, eval_steps=eval_steps, eval_interval=config.eval_every)
       else:
         result["eval"] = controller.evaluate_continuously(steps=eval_steps,
-                                                          timeout=config.peer_timeout_s)
+                                                          timeout=config.eval_timeout_s)
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError) as e:
       raise preemption.PeerLostError(
