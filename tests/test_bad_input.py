@@ -152,3 +152,17 @@ def test_cli_exit_codes(tmp_path):
                            cwd=REPO, capture_output=True, text=True, env=env, timeout=120, check=False)
   assert diverge.returncode == 3, diverge.stderr[-1500:]
   shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_restoring_a_checkpoint_of_another_model_is_one_line(trained_workdir):
+  workdir, latest = trained_workdir
+  config = helpers.tiny_config(model="small_cnn")
+  with pytest.raises(validation.ConfigError, match="does not match this config"):
+    run.run(config, str(workdir))
+  assert tf.train.latest_checkpoint(str(workdir / "checkpoints")) == latest
+
+
+def test_per_replica_batch_larger_than_the_data_is_refused(tmp_path):
+  config = helpers.tiny_config(**{"batch_size": 1024})  # 512 synthetic training examples.
+  with pytest.raises(validation.ConfigError, match="`batch_size`=1024 gives each replica more"):
+    run.run(config, str(tmp_path))

@@ -7,7 +7,7 @@ permutation. Global micro-batch g is positions [g*B, (g+1)*B). Replica r of R ta
   * the examples of every global batch are the same for any number of replicas or workers;
   * k micro-batches of B are exactly one batch of k*B (same order);
   * resuming needs only the number of micro-batches consumed, which the checkpoint stores
-    (`data_position`), instead of a serialized shuffle buffer.
+    (`micro_batches_seen`), instead of a serialized shuffle buffer.
 
 Dataset functions run inside `tf.data` (traced, host CPU), once per input pipeline (worker), and
 are handed to `strategy.distribute_datasets_from_function`, which deals the per-replica batches of

@@ -23,7 +23,7 @@ class PreemptedError(RuntimeError):
 
 
 class PeerLostError(RuntimeError):
-  """A multi-worker peer vanished or never arrived within `peer_timeout_s`."""
+  """A multi-worker peer vanished mid-run (a collective failed: Unavailable, DeadlineExceeded)."""
 
 
 class PreemptionWatcher:

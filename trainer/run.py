@@ -3,6 +3,7 @@
 Phases (eager, host): validate -> strategy -> data -> model & optimizer -> trainer & evaluator ->
 checkpoint restore -> datasets positioned after the restored step -> Controller -> mode.
 """
+import contextlib
 import json
 import math
 import os
@@ -41,7 +42,10 @@ def _is_chief(strategy) -> tuple[bool, int]:
   if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
     return True, 0
   task_type, task_id = resolver.task_type, resolver.task_id or 0
-  return task_type in (None, "chief") or (task_type == "worker" and task_id == 0), task_id
+  has_chief_task = "chief" in resolver.cluster_spec().as_dict()
+  is_chief = task_type in (None, "chief") or (
+      task_type == "worker" and task_id == 0 and not has_chief_task)
+  return is_chief, task_id
 
 
 def _distribute(strategy, global_batch, make_batch, start_batch=0, num_batches=None):
@@ -61,9 +65,11 @@ def build(config, workdir):
   task = tasks.create_task(config)
   train_batch, eval_batch = task.batch_fn("train"), task.batch_fn("test")  # Fails early on bad data.
   is_chief, worker_id = _is_chief(strategy)
-  if is_chief:
-    with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+  num_train = len(data.load_arrays(config.data, "train")[1])
+  if config.batch_size // strategy.num_replicas_in_sync > num_train:
+    raise validation.ConfigError(
+        f"`batch_size`={config.batch_size} gives each replica more examples than the "
+        f"{num_train} of the training split; allowed: at most {num_train} per replica")
   with strategy.scope():
     model = task.build_model()
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
@@ -80,9 +86,17 @@ def build(config, workdir):
   latest = tf.train.latest_checkpoint(chief_dir)
   if latest:  # Before the datasets exist: they start at the restored data position. (The
     # Controller restores the same checkpoint again on the chief; that is harmless.)
-    with strategy.scope():
-      checkpoint.restore(latest).assert_existing_objects_matched()
+    try:
+      with strategy.scope():
+        checkpoint.restore(latest).assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:
+      raise validation.ConfigError(
+          f"the checkpoint {latest} does not match this config (model, optimizer or "
+          f"mixed_precision changed?); use a fresh `--workdir` ({type(e).__name__})") from None
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
+  if is_chief:  # Only once the workdir is known to fit this config.
+    with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   start = int(trainer.micro_batches_seen.numpy())
   trainer.train_dataset = _distribute(strategy, config.batch_size, train_batch, start_batch=start)
   num_test = len(data.load_arrays(config.data, "test")[1])
@@ -106,7 +120,8 @@ def run(config, workdir: str) -> dict:
       summary_dir=os.path.join(summaries, "train"),
       eval_summary_dir=os.path.join(summaries, "eval"), train_actions=[watcher])
   result = {}
-  with watcher.installed():
+  training = config.mode in ("train", "train_and_eval")
+  with watcher.installed() if training else contextlib.nullcontext():
     try:
       if config.mode == "train":
         controller.train(steps=config.train_steps)

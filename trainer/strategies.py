@@ -21,6 +21,8 @@ import sys
 from absl import logging
 import tensorflow as tf
 
+from trainer import errors
+
 STRATEGIES = ("default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
 
 
@@ -55,7 +57,7 @@ def _logical_cpus(count: int) -> list[str]:
     pass  # Already initialised: use what exists, if there are enough.
   available = tf.config.list_logical_devices("CPU")
   if len(available) < count:
-    raise ValueError(
+    raise errors.ConfigError(
         f"`cpu_replicas`={count} but TensorFlow was initialised with {len(available)} logical "
         "CPU device(s); create the strategy before running any TF op.")
   return [d.name for d in available[:count]]
@@ -96,12 +98,12 @@ def _killed_if_stuck(seconds: float, message: str):
 def _multi_worker(config) -> tf.distribute.Strategy:
   tf_config = os.environ.get("TF_CONFIG", "")
   if not tf_config:
-    raise ValueError("`strategy`=multi_worker_mirrored needs the TF_CONFIG environment variable "
+    raise errors.ConfigError("`strategy`=multi_worker_mirrored needs the TF_CONFIG environment variable "
                      "(see docs/launch.md or `python -m launch.multi_worker --local=2`).")
   try:
     cluster = json.loads(tf_config)["cluster"]
   except (ValueError, KeyError) as e:
-    raise ValueError(f"TF_CONFIG is not valid JSON with a `cluster` key: {e}") from None
+    raise errors.ConfigError(f"TF_CONFIG is not valid JSON with a `cluster` key: {e}") from None
   logging.info("multi-worker cluster: %s", cluster)
   options = tf.distribute.experimental.CommunicationOptions(
       timeout_seconds=float(config.peer_timeout_s))

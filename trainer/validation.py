@@ -3,6 +3,7 @@
 `validate(config)` runs eagerly on the host before the strategy, data or model exist;
 `validate_replicas(config, num_replicas)` runs right after the strategy is built.
 """
+from trainer import errors
 from trainer import models
 from trainer import optimizers
 from trainer import strategies
@@ -13,8 +14,7 @@ PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 SOURCES = ("idx", "tfds", "synthetic")
 
 
-class ConfigError(ValueError):
-  """A config field holds a value microstep cannot run with."""
+ConfigError = errors.ConfigError
 
 
 def _choice(config, field, allowed):
@@ -72,6 +72,16 @@ def validate(config) -> None:
     raise ConfigError(f"`data.image_size`={config.data.image_size} must be a multiple of 32 for "
                       f"`model`={config.model} (five 2x2 poolings)")
   _number(config, "data.image_size", 8)
+  for field in ("loss_scale.growth_interval", "triplet.embedding_dim",
+                "data.synthetic_train_examples", "data.synthetic_test_examples"):
+    _number(config, field, 1)
+  for field in ("loss_scale.initial", "optimizer.epsilon"):
+    _number(config, field, 0, integer=False, strict=True)
+  _number(config, "triplet.margin", 0, integer=False)
+  for field in ("optimizer.beta_1", "optimizer.beta_2"):
+    _number(config, field, 0, integer=False)
+    if config.optimizer[field.split(".")[1]] >= 1:
+      raise ConfigError(f"`{field}`={config.optimizer[field.split('.')[1]]} must be in [0, 1)")
   if config.summary_every and config.summary_every % config.steps_per_loop:
     raise ConfigError(f"`summary_every`={config.summary_every} must be a multiple of "
                       f"`steps_per_loop`={config.steps_per_loop}")
