@@ -29,7 +29,7 @@ def _check_workdir(workdir: str) -> None:
     return
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, ".write_probe")
+    probe = os.path.join(workdir, f".write_probe.{os.getpid()}")  # Workers may share workdir.
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
