@@ -27,6 +27,6 @@ def get_config(arg: str = ""):
   config.optimizer.learning_rate = 1e-3
   config.per_example.every_steps = 50
   config = config_defaults.apply_variant_args(config, arg)
-  if "smoke" in config_defaults.split_args(arg, ("smoke", "synthetic")):
+  if "smoke" in config_defaults.parse_args(arg):  # Already checked by apply_variant_args.
     config.per_example.every_steps = 4
   return config

@@ -33,9 +33,10 @@ def get_config(arg: str = ""):
   config.triplet.margin = 0.2
   config.triplet.embedding_dim = 64
   config = config_defaults.apply_variant_args(config, arg, recipe_args=("full",))
-  if "full" in config_defaults.split_args(arg, ("smoke", "synthetic", "full")):
+  args = config_defaults.parse_args(arg)  # Already checked by apply_variant_args.
+  if "full" in args:
     config.model = "vgg16"
-  if "smoke" in arg:
+  if "smoke" in args:
     config.batch_size = 1
     config.train_steps = 4
     config.steps_per_loop = 2

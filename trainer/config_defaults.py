@@ -76,9 +76,14 @@ def base_config() -> ml_collections.ConfigDict:
   return config
 
 
+def parse_args(arg: str) -> set:
+  """`a,b,c` -> {a, b, c}: the variant args after the config file name (`file.py:a,b,c`)."""
+  return {a.strip() for a in (arg or "").split(",") if a.strip()}
+
+
 def split_args(arg: str, allowed) -> set:
   """Parses `a,b,c` into {a, b, c}, refusing names outside `allowed`."""
-  args = {a.strip() for a in (arg or "").split(",") if a.strip()}
+  args = parse_args(arg)
   unknown = args - set(allowed)
   if unknown:
     raise ValueError(f"config arg {sorted(unknown)} unknown; allowed: {sorted(allowed)}")

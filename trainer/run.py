@@ -111,6 +111,7 @@ def build(config, workdir):
 def run(config, workdir: str) -> dict:
   """Trains and/or evaluates as `config.mode` says; returns the last outputs (eager, host)."""
   strategy, trainer, evaluator, manager, eval_steps = build(config, workdir)
+  is_chief = _is_chief(strategy)[0]
   summaries = os.path.join(workdir, "summaries")
   watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step)
   controller = orbit.Controller(
@@ -141,7 +142,7 @@ def run(config, workdir: str) -> dict:
   result["global_step"] = int(trainer.global_step.numpy())
   result["skipped_updates"] = int(trainer.skipped_updates.numpy())
   result = json.loads(json.dumps(result, default=float))
-  if _is_chief(strategy)[0]:
+  if is_chief:
     with tf.io.gfile.GFile(os.path.join(workdir, "result.json"), "w") as f:
       json.dump(result, f, indent=2)
   else:
