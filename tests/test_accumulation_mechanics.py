@@ -1,5 +1,6 @@
 """Where accumulation communicates, what it keeps local, and how it skips (issue 3)."""
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import helpers
@@ -107,3 +108,53 @@ def test_batchnorm_with_accumulation_needs_an_explicit_choice(tmp_path):
   _, trainer = helpers.build(config, tmp_path / "ok")
   trainer.train(tf.constant(1))
   assert int(trainer.optimizer.iterations.numpy()) == 1
+
+
+def _replica_copies_differ(strategy, model):
+  return [v.path for v in model.weights
+          if not all(np.array_equal(c, helpers.local_values(strategy, v)[0])
+                     for c in helpers.local_values(strategy, v)[1:])]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_batchnorm_statistics_stay_identical_across_replicas(tmp_path, k):
+  """Moving statistics ride in the update's one all-reduce and are averaged on every replica."""
+  config = _mirrored_config(**{"model": "small_cnn_bn", "accumulation.steps": k,
+                               "accumulation.batchnorm": "per_micro_batch", "train_steps": 3})
+  strategy, trainer = helpers.build(config, tmp_path)
+  iterator = iter(trainer.train_dataset)
+  with collectives.AllReduceCounter() as counter:
+    step = tf.function(trainer.train_step).get_concrete_function(iterator)
+  assert (counter.calls, counter.tensors) == (1, 1)
+  assert collectives.collective_reduce_ops(step) == 2  # One reduction, one op per device.
+  synced = {v.path for v in trainer._state.variables}  # pylint: disable=protected-access
+  assert synced == {v.path for v in trainer.model.non_trainable_variables
+                    if "moving" in v.path}, synced
+  trainer.train(tf.constant(3))
+  assert _replica_copies_differ(strategy, trainer.model) == []
+  # The statistics moved, and both replicas' batches shaped them.
+  moving_mean = [v for v in trainer.model.non_trainable_variables if "moving_mean" in v.path][0]
+  assert np.abs(helpers.local_values(strategy, moving_mean)[0]).max() > 0
+
+
+def test_batchnorm_statistics_drift_apart_when_left_local(tmp_path):
+  """`replica_state=local` is Keras' own behaviour: each replica keeps its own statistics."""
+  config = _mirrored_config(**{"model": "small_cnn_bn", "accumulation.steps": 1,
+                               "replica_state": "local", "train_steps": 3})
+  strategy, trainer = helpers.build(config, tmp_path)
+  trainer.train(tf.constant(3))
+  differ = _replica_copies_differ(strategy, trainer.model)
+  assert differ and all("moving" in path for path in differ), differ
+
+
+def test_frozen_weights_are_not_averaged(tmp_path):
+  """Only variables the forward pass writes are synchronised: frozen weights keep their bits."""
+  config = _mirrored_config(**{"model": "small_cnn_bn", "accumulation.steps": 1})
+  strategy, trainer = helpers.build(config, tmp_path)
+  frozen = trainer.model.layers[0]
+  frozen.trainable = False  # Its kernel becomes non-trainable, but nothing writes it.
+  assert trainer._state.variables == []  # pylint: disable=protected-access
+  trainer._state = trainer._state.__class__(trainer.model)  # pylint: disable=protected-access
+  trainer.train(tf.constant(1))
+  synced = {v.path for v in trainer._state.variables}  # pylint: disable=protected-access
+  assert frozen.kernel.path not in synced and synced, synced

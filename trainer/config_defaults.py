@@ -17,12 +17,16 @@ def base_config() -> ml_collections.ConfigDict:
   config.tpu_address = ""       # `local` on a TPU VM, else the TPU name or grpc:// address.
   config.device = ""            # one_device only; empty picks GPU:0 when present, else CPU:0.
   config.peer_timeout_s = 120   # multi-worker: give up on a missing peer after this long.
+  config.xla = "auto"           # auto (on for GPUs, off on CPUs; TPUs always compile) | on | off
   # --- What it trains.
   config.task = "classification"  # classification | triplet
   config.model = "small_cnn"      # small_cnn | small_cnn_bn | mlp | vgg16 | vgg_small
   config.mixed_precision = "float32"  # float32 | mixed_float16 | mixed_bfloat16
   config.seed = 0
   config.deterministic = False  # tf.config.experimental.enable_op_determinism()
+  # mean: variables the forward pass writes per replica (BatchNorm statistics) are averaged
+  # across replicas once per update, in the update's all-reduce | local: left per replica.
+  config.replica_state = "mean"
   config.data = ml_collections.ConfigDict()
   config.data.name = "fashion_mnist"
   config.data.source = "idx"    # idx (Debian package files) | tfds | synthetic

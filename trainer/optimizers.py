@@ -4,6 +4,9 @@ The schedule is called with `optimizer.iterations`, which microstep advances onc
 update (never per micro-step), so warm-up and decay see updates. Clipping is NOT configured on the
 Keras optimizer: Keras clips before its own all-reduce (per replica); microstep clips the reduced
 gradient itself (`trainer.update.finalize_gradients`). Built eagerly under the strategy scope.
+
+microstep applies gradients in replica context (`trainer.update.apply_or_skip`) after reducing
+them itself; `skip_keras_all_reduce` stops Keras from reducing them a second time.
 """
 import math
 
@@ -67,3 +70,43 @@ def create_optimizer(opt_config, total_steps: int, global_clipnorm_in_keras: boo
     return keras.optimizers.AdamW(beta_1=opt_config.beta_1, beta_2=opt_config.beta_2,
                                   epsilon=opt_config.epsilon, **common)
   raise ValueError(f"`optimizer.name`={name!r} unknown; allowed: {', '.join(OPTIMIZERS)}")
+
+
+# Keras 3.x (keras/src/backend/tensorflow/optimizer.py): `TFOptimizer._backend_update_step`
+# passes the gradients through this method, which SUM-all-reduces them when called in replica
+# context. microstep has already reduced them in its one packed all-reduce.
+_KERAS_ALL_REDUCE_HOOK = "_all_reduce_sum_gradients"
+
+
+class KerasInternalsChanged(RuntimeError):
+  """The Keras private hook microstep relies on is gone or no longer used: fail loudly."""
+
+
+def skip_keras_all_reduce(optimizer):
+  """Makes `optimizer` apply gradients as given, without its own all-reduce (eager, once).
+
+  Replaces the instance's `_all_reduce_sum_gradients` with an identity that counts its calls
+  (`optimizer.microstep_hook_calls`), so `check_keras_all_reduce_skipped` can prove after tracing
+  that Keras still routes gradients through it. Raises KerasInternalsChanged if the hook is gone.
+  """
+  if not callable(getattr(type(optimizer), _KERAS_ALL_REDUCE_HOOK, None)):
+    raise KerasInternalsChanged(
+        f"keras {keras.__version__}: {type(optimizer).__name__} has no {_KERAS_ALL_REDUCE_HOOK}; "
+        "microstep needs it to stop Keras from all-reducing gradients a second time. Pin "
+        "keras to a version microstep supports (3.x up to 3.15 tested).")
+  optimizer.microstep_hook_calls = 0
+
+  def as_given(grads_and_vars):
+    optimizer.microstep_hook_calls += 1
+    return list(grads_and_vars)
+  object.__setattr__(optimizer, _KERAS_ALL_REDUCE_HOOK, as_given)  # Bypasses Keras tracking.
+  return optimizer
+
+
+def check_keras_all_reduce_skipped(optimizer) -> None:
+  """After an apply was traced: raises KerasInternalsChanged if Keras bypassed the hook."""
+  if getattr(optimizer, "microstep_hook_calls", 0) == 0:
+    raise KerasInternalsChanged(
+        f"keras {keras.__version__} applied gradients without calling "
+        f"{_KERAS_ALL_REDUCE_HOOK}: it may all-reduce them a second time. Pin keras to a version "
+        "microstep supports (3.x up to 3.15 tested).")

@@ -6,24 +6,34 @@
         tf.while_loop over steps_per_loop:        # traced (tf.function)
           train_step(iterator):                   # cross-replica context
             every per_example.every_steps updates: statistics of the first micro-batch
-            k == 1: reduced = run(reduce_step, next(iterator))
-            k >  1: k x run(micro_step, next(iterator))  # tf.range loop, no communication
-                    reduced = run(reduce_buffers)                           # ONE all-reduce
-            apply_if_finite(reduced)              # applies, or skips on every replica
-            counters (global step, micro-batches, skips, loss scale)
+            k-1 x run(micro_step, next(iterator))  # tf.range loop; replica: buffers += local sums
+            run(update_step, next(iterator))       # replica context, every replica:
+              local sums of the last micro-batch + buffers (zeroed)
+              ONE packed all-reduce: gradients, loss/weight/metric sums, BatchNorm statistics
+              normalise, clip once, mean statistics written back locally
+              apply_or_skip: merge_call -> tf.cond(finite) -> each replica applies its own copy
+            counters (global step, micro-batches, skips, loss scale)   # cross-replica, scalars
         train_loop_end()                          # eager: metrics, one log line
 
 The micro-step loop is a `tf.range` loop (a tf.while_loop), which frees each micro-step's
-activations before the next one; a Python loop would unroll k copies into the graph.
+activations before the next one; a Python loop would unroll k copies into the graph. Every
+function handed to `strategy.run` returns only tensors, so the same code runs inside TPU's
+`tpu.replicate`. With `config.xla` on, the replica functions are compiled with XLA: always the
+local forward/backward and buffer adds; the whole update where XLA has the collective (one
+replica, or GPUs only); see docs/design.md.
 """
 import time
+from typing import NamedTuple
 
 from absl import logging
 import orbit
 import tensorflow as tf
 
 from trainer import accumulation
+from trainer import optimizers
 from trainer import per_example_summaries
+from trainer import replica_state
+from trainer import strategies
 from trainer import update
 from trainer import validation
 
@@ -38,6 +48,56 @@ def has_trainable_batchnorm(model) -> bool:
   import keras  # pylint: disable=g-import-not-at-top
   return any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
              for layer in model._flatten_layers())  # pylint: disable=protected-access
+
+
+class XlaPlan(NamedTuple):
+  """Which replica functions are compiled with XLA (`jit_compile=True`).
+
+  Attributes:
+    enabled: `config.xla` resolved ("auto": on for GPUs, off on CPUs; TPUs compile anyway).
+    micro_step: the micro-step (local forward, backward, buffer adds).
+    update_step: the whole update step (needs XLA's collective: one replica, or GPUs only).
+    local_sums: the update step's local forward/backward, when the whole step is not compiled.
+  """
+  enabled: bool
+  micro_step: bool
+  update_step: bool
+  local_sums: bool
+
+
+def xla_plan(config, strategy) -> XlaPlan:
+  """Resolves `config.xla` for `strategy` (eager, host)."""
+  kind = strategies.device_kind(strategy)
+  if kind == "tpu":  # Everything inside tpu.replicate is compiled already.
+    return XlaPlan(True, False, False, False)
+  enabled = config.xla == "on" or (config.xla == "auto" and kind == "gpu")
+  if not enabled:
+    return XlaPlan(False, False, False, False)
+  whole = strategy.num_replicas_in_sync == 1 or kind == "gpu"
+  return XlaPlan(True, True, whole, not whole)
+
+
+class PerReplicaCompiled:
+  """`fn` compiled with XLA, one `tf.function` per replica; called in replica context.
+
+  Two TensorFlow rules shape this. A `jit_compile` tf.function handed to MirroredStrategy.run on
+  non-GPU devices is lifted around ALL replicas into one XLA program, which XLA refuses (one
+  device per program). And a tf.function traced in replica 0 captures replica 0's copies of the
+  variables, so a second replica must not reuse its trace. Hence one compiled function per
+  replica, called from the plain replica function. (On GPUs, and with a single replica, the
+  trainer hands a compiled update step to `strategy.run` directly instead.)
+  """
+
+  def __init__(self, fn):
+    self._fn = fn
+    self._compiled = {}
+
+  def __call__(self, *args):
+    ctx = tf.distribute.get_replica_context()
+    replica = 0 if ctx is None else int(tf.get_static_value(ctx.replica_id_in_sync_group))
+    if replica not in self._compiled:
+      self._compiled[replica] = tf.function(self._fn, jit_compile=True)
+    return self._compiled[replica](*args)
 
 
 class Trainer(orbit.StandardTrainer):
@@ -58,6 +118,7 @@ class Trainer(orbit.StandardTrainer):
           "docs/accumulation.md) or use a model without BatchNorm")
     with strategy.scope():
       optimizer.build(variables)
+      optimizers.skip_keras_all_reduce(optimizer)
       self.global_step = orbit.utils.create_global_step()
       self.micro_batches_seen = _counter("micro_batches_seen")
       self.skipped_updates = _counter("skipped_updates")
@@ -72,6 +133,17 @@ class Trainer(orbit.StandardTrainer):
       self.buffers = None
       if self.accumulation_steps > 1:
         self.buffers = accumulation.GradientBuffers(variables, len(self.metric_names))
+    self._state = replica_state.WriteRecorder(model)
+    self._sync_state = config.replica_state == "mean"
+    self.xla = xla_plan(config, strategy)
+    self._micro_step_fn = self.micro_step
+    if self.xla.micro_step:
+      compiled_micro_step = PerReplicaCompiled(self.micro_step)
+      self._micro_step_fn = lambda batch: compiled_micro_step(batch)  # A plain replica function.
+    self._update_step_fn = (tf.function(self.update_step, jit_compile=True)
+                            if self.xla.update_step else self.update_step)
+    self._local_sums_fn = (PerReplicaCompiled(self.local_sums) if self.xla.local_sums
+                           else self.local_sums)
     options = orbit.StandardTrainerOptions(use_tf_while_loop=True, use_tf_function=True)
     super().__init__(train_dataset, options=options)
     self._loop_start = None
@@ -97,7 +169,7 @@ class Trainer(orbit.StandardTrainer):
   def local_sums(self, batch):
     """This replica's gradient of Σ w·loss (scaled if fp16) and its scalar sums; no communication."""
     variables = self.model.trainable_variables
-    with tf.GradientTape() as tape:
+    with tf.GradientTape() as tape, self._state.watching():
       out = self.task.per_example_loss(self.model, batch, training=True)
       weight_sum = tf.reduce_sum(out.weight)
       loss_sum = tf.reduce_sum(out.loss * out.weight)
@@ -113,38 +185,42 @@ class Trainer(orbit.StandardTrainer):
 
   def micro_step(self, batch):
     """Adds this replica's sums into its SyncOnRead buffers (replica context, local only)."""
-    self.buffers.add(*self.local_sums(batch))
+    self.buffers.add(*self._local_sums_fn(batch))
 
-  def _finalize(self, grads, scalars):
-    """The update's one all-reduce, normalisation and clipping (replica context)."""
-    return update.finalize_gradients(
+  def update_step(self, batch):
+    """The update: last micro-batch + buffers, one all-reduce, apply or skip (replica context).
+
+    Returns (reduced scalar sums, gradient norm, applied): tensors only, identical on every
+    replica.
+    """
+    grads, scalars = self._local_sums_fn(batch)
+    if self.buffers is not None:
+      held_grads, held_scalars = self.buffers.take()
+      grads = [h + g for h, g in zip(held_grads, grads)]
+      scalars = held_scalars + scalars
+    state = self._state.variables if self._sync_state else []
+    reduced = update.finalize_gradients(
         grads, scalars, loss_scale=self.loss_scale,
-        global_clipnorm=float(self.config.optimizer.global_clipnorm))
-
-  def reduce_step(self, batch):
-    """k == 1: local sums of one batch, then the update's single all-reduce (replica context)."""
-    return self._finalize(*self.local_sums(batch))
-
-  def reduce_buffers(self):
-    """k > 1: this replica's buffers, zeroed, then the update's single all-reduce."""
-    return self._finalize(*self.buffers.take())
+        global_clipnorm=float(self.config.optimizer.global_clipnorm),
+        state_values=replica_state.local_values(state))
+    replica_state.assign_means(state, reduced.state)
+    applied = update.apply_or_skip(self.optimizer, reduced.grads,
+                                   self.model.trainable_variables, reduced.finite)
+    optimizers.check_keras_all_reduce_skipped(self.optimizer)  # At trace time.
+    return reduced.scalars, reduced.grad_norm, applied
 
   # --- Cross-replica context (traced).
   def train_step(self, iterator):
     """One optimizer update of k micro-steps; see the module docstring."""
-    first_batch = next(iterator)
-    self._maybe_write_statistics(first_batch)
-    if self.accumulation_steps == 1:
-      reduced = self.strategy.run(self.reduce_step, args=(first_batch,))
-    else:
-      self.strategy.run(self.micro_step, args=(first_batch,))
-      for _ in tf.range(self.accumulation_steps - 1):
-        self.strategy.run(self.micro_step, args=(next(iterator),))
-      reduced = self.strategy.run(self.reduce_buffers)
-    reduced = update.first_replica(self.strategy, reduced)
-    applied = update.apply_if_finite(self.optimizer, reduced.grads,
-                                     self.model.trainable_variables, reduced.finite)
-    self._count(applied, reduced)
+    batch = next(iterator)
+    self._maybe_write_statistics(batch)
+    if self.accumulation_steps > 1:
+      self.strategy.run(self._micro_step_fn, args=(batch,))
+      for _ in tf.range(self.accumulation_steps - 2):
+        self.strategy.run(self._micro_step_fn, args=(next(iterator),))
+      batch = next(iterator)
+    outputs = self.strategy.run(self._update_step_fn, args=(batch,))
+    self._count(*update.first_replica(self.strategy, outputs))
 
   def _maybe_write_statistics(self, batch):
     """Per-example statistics of `batch` every n updates (cross-replica context, traced)."""
@@ -157,15 +233,15 @@ class Trainer(orbit.StandardTrainer):
                 int(self.config.per_example.chunk_size)),
             lambda: tf.constant(False))
 
-  def _count(self, applied, reduced):
+  def _count(self, scalars, grad_norm, applied):
     """Advances the counters and the loss scale after an update (cross-replica, traced)."""
     self.global_step.assign_add(1)
     self.micro_batches_seen.assign_add(self.accumulation_steps)
     skipped = 1 - tf.cast(applied, tf.int64)
     self.skipped_updates.assign_add(skipped)
     self.consecutive_skips.assign((self.consecutive_skips + 1) * skipped)
-    self.loop_sums.assign_add(tf.where(applied, reduced.scalars, tf.zeros_like(reduced.scalars)))
-    self.last_grad_norm.assign(reduced.grad_norm)
+    self.loop_sums.assign_add(tf.where(applied, scalars, tf.zeros_like(scalars)))
+    self.last_grad_norm.assign(grad_norm)
     if self.loss_scale is not None:  # Dynamic loss scaling: halve on overflow, double when calm.
       good = (self.good_steps + 1) * (1 - skipped)
       grow = good >= int(self.config.loss_scale.growth_interval)

@@ -22,14 +22,19 @@ SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
 HISTOGRAMS = ("norms", "cosines")
 
 
-def write_statistics(strategy, task, model, batch, step, chunk_size: int) -> tf.Tensor:
-  """Computes and writes the statistics of `batch` (cross-replica context, traced)."""
+def replica_statistics_fn(task, model, chunk_size: int):
+  """The replica function: `local batch -> {name: tensor}` (replica context, traced)."""
   def replica_fn(local_batch):
     loss_fn = lambda m, b: task.per_example_loss(m, b, training=True).loss
     grads = per_example.per_example_gradients(model, loss_fn, local_batch, chunk_size=chunk_size)
     stats = grad_stats.replica_statistics(grads, model.trainable_variables)
     return {name: stats[name] for name in SCALARS + HISTOGRAMS}
+  return replica_fn
 
+
+def write_statistics(strategy, task, model, batch, step, chunk_size: int) -> tf.Tensor:
+  """Computes and writes the statistics of `batch` (cross-replica context, traced)."""
+  replica_fn = replica_statistics_fn(task, model, chunk_size)
   stats = update.first_replica(strategy, strategy.run(replica_fn, args=(batch,)))
   # An absolute name scope ("/" at the end) keeps the enclosing tf.cond's scope out of the tags.
   with tf.summary.record_if(True), tf.name_scope("per_example/"):

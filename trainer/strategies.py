@@ -123,6 +123,19 @@ def _tpu(config) -> tf.distribute.Strategy:
   return tf.distribute.TPUStrategy(resolver)
 
 
+def device_kind(strategy) -> str:
+  """'tpu', 'gpu' or 'cpu': what the strategy's replicas compute on (eager, host).
+
+  The default strategy places ops on GPU:0 when one exists, like plain TensorFlow.
+  """
+  if isinstance(strategy, tf.distribute.TPUStrategy):
+    return "tpu"
+  if not tf.distribute.has_strategy() and strategy is tf.distribute.get_strategy():
+    return "gpu" if tf.config.list_logical_devices("GPU") else "cpu"  # The default strategy.
+  devices = list(strategy.extended.worker_devices)
+  return "gpu" if devices and all("GPU" in d.upper() for d in devices) else "cpu"
+
+
 def create_strategy(config) -> tf.distribute.Strategy:
   """Builds the strategy named by `config.strategy` (eager, host)."""
   name = config.strategy

@@ -1,16 +1,24 @@
-"""The update step's math: one packed all-reduce, normalise, unscale, check, clip, apply.
+"""The update step's math: one packed all-reduce, normalise, unscale, check, clip, apply or skip.
 
 Normalisation: replicas hold sums (Σ w_i ∇l_i, Σ w_i l_i, Σ w_i, ...) over their micro-steps; the
 update divides the reduced gradient sum by the reduced weight sum, i.e. the gradient of
 Σloss/Σcount over the whole update, never a mean of per-micro-batch means.
 
-Where each piece runs (all traced inside the Orbit train function):
-  * `finalize_gradients`: replica context (inside `strategy.run`); the only communication of an
-    update is its one `all_reduce` of a single packed vector.
-  * `apply_if_finite`: cross-replica context OUTSIDE `strategy.scope()`. There Keras' optimizer
-    does not all-reduce again (it would in replica context) and skips `merge_call` (which cannot
-    run under `tf.cond` in replica context), so a non-finite update can be skipped with `tf.cond`
-    on every replica: weights, slots, `iterations` and the schedule stay untouched.
+Everything here runs traced, in REPLICA context (inside `strategy.run`), on every strategy:
+
+    finalize_gradients   the update's only collective: ONE all-reduce of a single packed vector
+                         (gradient sums, scalar sums, replica state); every replica ends with the
+                         same normalised, clipped gradient and the same `finite` flag.
+    apply_or_skip        each replica applies its OWN copy of that gradient to its own variables:
+                           merge_call -> tf.cond(finite) -> call_for_each_replica(apply)
+                         (the shape of Keras 3's TF LossScaleOptimizer). Nothing but scalars
+                         crosses devices, and the same code runs inside TPU's `tpu.replicate`.
+                         Strategies that run without merge_call (XLA on GPUs) take the cond in
+                         replica context directly.
+
+Keras 3 optimizers SUM-all-reduce gradients themselves when applied in replica context
+(`_all_reduce_sum_gradients`); `trainer.optimizers.skip_keras_all_reduce` turns that off, so the
+packed all-reduce stays the only one.
 """
 import dataclasses
 
@@ -29,53 +37,93 @@ def unpack(flat: tf.Tensor, shapes) -> list:
   return [tf.reshape(part, s) for part, s in zip(tf.split(flat, sizes), shapes)]
 
 
-def all_reduce_packed(grads, scalars):
-  """SUM-reduces gradients and scalars across replicas with ONE all-reduce (replica context)."""
+def all_reduce_packed(tensors) -> list:
+  """SUM-reduces float32 tensors across replicas with ONE all-reduce (replica context)."""
+  tensors = list(tensors)
   ctx = tf.distribute.get_replica_context()
   if ctx is None or ctx.num_replicas_in_sync == 1:
-    return list(grads), scalars
-  shapes = [g.shape for g in grads] + [scalars.shape]
-  reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, pack(list(grads) + [scalars]))
-  parts = unpack(reduced, shapes)
-  return parts[:-1], parts[-1]
+    return tensors
+  reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, pack(tensors))
+  return unpack(reduced, [t.shape for t in tensors])
 
 
 @dataclasses.dataclass
 class ReducedUpdate:
-  """Attributes: grads (normalised, clipped); scalars (reduced sums: loss, weight, metrics...);
-  grad_norm (before clipping); finite (bool: every gradient entry and the loss are finite)."""
+  """What every replica knows after the update's all-reduce (replica context, never returned
+  from `strategy.run`).
+
+  Attributes:
+    grads: normalised (÷ Σweight, ÷ loss scale) and clipped gradients, one per variable.
+    scalars: reduced sums [loss, weight, metrics...].
+    grad_norm: global norm before clipping.
+    finite: every gradient entry and the loss sum are finite.
+    state: replica-local state values averaged over the replicas (see `trainer.replica_state`).
+  """
   grads: list
   scalars: tf.Tensor
   grad_norm: tf.Tensor
   finite: tf.Tensor
+  state: list
 
 
-def finalize_gradients(grad_sums, scalar_sums, *, loss_scale=None, global_clipnorm=0.0):
+def finalize_gradients(grad_sums, scalar_sums, *, loss_scale=None, global_clipnorm=0.0,
+                       state_values=()) -> ReducedUpdate:
   """Reduces once, normalises by the weight sum (scalars[1]), unscales, clips (replica context).
 
+  `state_values` ride in the same packed all-reduce and come back as means over the replicas.
   Every replica ends with the same values, so `finite` agrees everywhere without more messages.
   """
-  grads, scalars = all_reduce_packed(grad_sums, scalar_sums)
+  grad_sums, state_values = list(grad_sums), list(state_values)
+  reduced = all_reduce_packed(grad_sums + [scalar_sums] + state_values)
+  grads, scalars = reduced[:len(grad_sums)], reduced[len(grad_sums)]
+  state = reduced[len(grad_sums) + 1:]
+  ctx = tf.distribute.get_replica_context()
+  replicas = 1 if ctx is None else ctx.num_replicas_in_sync
+  if replicas > 1:
+    state = [s / float(replicas) for s in state]
   divisor = scalars[1] if loss_scale is None else scalars[1] * loss_scale
   grads = [g / divisor for g in grads]
   norm = tf.linalg.global_norm(grads)
   finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(scalars[0]))
   if global_clipnorm:
     grads, _ = tf.clip_by_global_norm(grads, global_clipnorm, use_norm=norm)
-  return ReducedUpdate(grads=grads, scalars=scalars, grad_norm=norm, finite=finite)
+  return ReducedUpdate(grads=grads, scalars=scalars, grad_norm=norm, finite=finite, state=state)
+
+
+def apply_or_skip(optimizer, grads, variables, finite) -> tf.Tensor:
+  """Applies `grads` on every replica if `finite`, else leaves all optimizer state untouched.
+
+  Replica context (inside `strategy.run`), traced. `grads` are this replica's copy of the reduced
+  gradient; `finite` is the same on every replica. A skipped update leaves weights, slots,
+  `optimizer.iterations` (hence the schedule) unchanged. Returns `finite`.
+  """
+  variables = list(variables)
+
+  def apply_here(local_grads):  # Replica context.
+    optimizer.apply(list(local_grads), variables)
+
+  if tf.__internal__.distribute.strategy_supports_no_merge_call():
+    def applied():
+      apply_here(grads)
+      return tf.constant(True)
+    tf.cond(finite, applied, lambda: tf.constant(False))
+    return finite
+
+  def cross_replica(distribution, per_replica_grads, per_replica_finite):
+    # Every replica's flag is the same; the first one's decides for all (a scalar).
+    decision = distribution.experimental_local_results(per_replica_finite)[0]
+
+    def applied():
+      distribution.extended.call_for_each_replica(apply_here, args=(per_replica_grads,))
+      return tf.constant(True)
+    # The cond must sit in cross-replica context: a replica-context cond cannot contain the
+    # merge_call that Keras' apply makes.
+    return tf.cond(decision, applied, lambda: tf.constant(False))
+
+  tf.distribute.get_replica_context().merge_call(cross_replica, args=(tuple(grads), finite))
+  return finite
 
 
 def first_replica(strategy, value):
-  """The first local replica's component of `value` (cross-replica context)."""
+  """The first local replica's component of `value` (cross-replica context): for scalars."""
   return tf.nest.map_structure(lambda v: strategy.experimental_local_results(v)[0], value)
-
-
-def apply_if_finite(optimizer, grads, variables, finite) -> tf.Tensor:
-  """Applies `grads` if `finite`, else leaves all state untouched; returns `finite`.
-
-  Cross-replica context outside `strategy.scope()`; `grads` are plain (already reduced) tensors.
-  """
-  def apply():
-    optimizer.apply_gradients(zip(grads, variables))
-    return tf.constant(True)
-  return tf.cond(finite, apply, lambda: tf.constant(False))

@@ -48,6 +48,8 @@ def validate(config) -> None:
   _choice(config, "optimizer.name", optimizers.OPTIMIZERS)
   _choice(config, "optimizer.decay", ("constant", "cosine"))
   _choice(config, "accumulation.batchnorm", ("error", "per_micro_batch"))
+  _choice(config, "xla", ("auto", "on", "off"))
+  _choice(config, "replica_state", ("mean", "local"))
   for field in ("batch_size", "eval_batch_size", "train_steps", "steps_per_loop", "eval_every",
                 "checkpoint_every", "accumulation.steps", "keep_checkpoints"):
     _number(config, field, 1)

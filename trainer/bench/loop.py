@@ -17,14 +17,14 @@ import time
 
 from absl import flags
 
-from trainer import bench_util
+from trainer.bench import util as bench_util
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("epochs", 5, "microstep epochs (the default recipe has 5).")
 flags.DEFINE_integer("keras_epochs", 10, "Most epochs Keras may take to reach --target.")
 flags.DEFINE_float("keras_learning_rate", 1e-3, "Keras side: constant Adam learning rate.")
 flags.DEFINE_float("target", 0.90, "Test accuracy defining Keras' time to accuracy.")
-flags.DEFINE_string("strategy", "default", "default or mirrored (2 logical CPUs).")
+flags.DEFINE_string("strategy", "default", "default, or mirrored (all GPUs, else 2 logical CPUs).")
 flags.DEFINE_integer("rounds", 1, "Alternating rounds (keras, ours) to run.")
 flags.DEFINE_string("json", "", "Write the rows as JSON to this file.")
 flags.DEFINE_string("side", "", "Internal: run one side in this process.")
@@ -39,8 +39,10 @@ def _config():
   config.seed = FLAGS.seed
   config.train_steps = STEPS_PER_EPOCH * FLAGS.epochs
   config.steps_per_loop = STEPS_PER_EPOCH
-  if FLAGS.strategy == "mirrored":
-    config.strategy, config.cpu_replicas = "mirrored", 2
+  if FLAGS.strategy == "mirrored":  # All local GPUs, or 2 logical CPUs without one.
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    config.strategy = "mirrored"
+    config.cpu_replicas = 0 if tf.config.list_physical_devices("GPU") else 2
   return config
 
 

@@ -22,7 +22,7 @@ import resource
 import sys
 import time
 
-from trainer import bench_util
+from trainer.bench import util as bench_util
 
 METHODS = ("seed_loop", "jacobian", "vectorized_map", "microstep", "batch_gradient")
 SLOW = ("seed_loop", "jacobian")
@@ -151,7 +151,7 @@ def measure(method, batch_size, repeats):
 
 
 def _run_worker(method, batch_size, repeats):
-  cmd = [sys.executable, "-m", "trainer.bench_per_example", "--_worker", method,
+  cmd = [sys.executable, "-m", "trainer.bench", "per_example", "--_worker", method,
          str(batch_size), str(repeats)]
   return bench_util.run_row(cmd, f"bench worker {method} B={batch_size}", timeout_s=1200)
 

@@ -18,7 +18,7 @@ import time
 
 from absl import flags
 
-from trainer import bench_util
+from trainer.bench import util as bench_util
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "vgg16", "Model name from trainer.models.")

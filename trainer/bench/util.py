@@ -1,0 +1,57 @@
+"""Shared by the benchmarks: run one measurement in a fresh process and read its result row.
+
+A measurement process prints its result as one line `ROW <json>` on stdout (`print_row`); the
+parent (`run_row`) starts it, waits, and parses the last such line. A fresh process per
+measurement keeps peak memory (ru_maxrss) and warm caches of one case out of the next. Eager, host.
+"""
+import json
+import os
+import subprocess
+
+_PREFIX = "ROW "
+
+
+def print_row(row: dict) -> None:
+  print(_PREFIX + json.dumps(row), flush=True)
+
+
+def run_row(cmd: list, what: str, timeout_s: int = 1800) -> dict:
+  """Runs `cmd`, returns its last ROW as a dict; raises RuntimeError naming `what` on failure."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+  done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
+                        check=False)
+  rows = [line for line in done.stdout.splitlines() if line.startswith(_PREFIX)]
+  if done.returncode or not rows:
+    raise RuntimeError(f"{what} failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+  return json.loads(rows[-1][len(_PREFIX):])
+
+
+def time_updates(config, updates: int, repeats: int = 1) -> list:
+  """Seconds per update of `config`'s trainer, one figure per repeat (eager, host).
+
+  Builds the trainer with `run.build` in a temporary workdir, runs one update (tracing), then
+  `repeats` times runs `updates` updates in one Orbit loop and divides. Memory and caches of
+  this process are the caller's: run one case per process (`run_row`).
+  """
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import run  # pylint: disable=g-import-not-at-top
+  config.train_steps = max(config.train_steps, 1 + updates * repeats)
+  with tempfile.TemporaryDirectory() as workdir:
+    _, trainer, _, _, _ = run.build(config, workdir)
+    trainer.train(tf.constant(1))
+    seconds = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      trainer.train(tf.constant(updates))
+      seconds.append((time.perf_counter() - start) / updates)
+  return seconds
+
+
+def spread(values) -> dict:
+  """Median, min and max of a list of numbers (for ratios measured over rounds)."""
+  ordered = sorted(values)
+  mid = len(ordered) // 2
+  median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+  return {"median": median, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}

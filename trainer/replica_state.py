@@ -1,0 +1,83 @@
+"""Model state that replicas write locally (BatchNorm moving statistics), kept identical.
+
+Keras 3 creates non-trainable variables such as BatchNormalization's `moving_mean` and
+`moving_variance` as mirrored variables with aggregation NONE; a write in replica context then
+changes only the local copy, so after a few updates every replica holds different statistics and
+evaluation or checkpoints depend on which replica is asked.
+
+microstep finds these variables by watching which float, non-trainable model variables the
+training forward pass writes while it is traced (`WriteRecorder`), sends their local values
+through the update's ONE packed all-reduce (no extra collective) and writes the mean back on every
+replica (`assign_means`): a local write in replica context. Variables nobody writes are never
+touched, so frozen weights cannot drift by rounding. Variables with aggregation MEAN/SUM/...
+are left to TensorFlow, which synchronises them itself.
+
+Stateful RNN layers keep per-sequence state that must NOT be averaged; set
+`config.replica_state = "local"` for them (the default is "mean").
+"""
+import contextlib
+
+import keras
+import tensorflow as tf
+
+
+def _writable_state(model) -> list:
+  """Float non-trainable model variables with aggregation NONE (eager or traced)."""
+  out = []
+  for var in model.non_trainable_variables:
+    backing = getattr(var, "value", var)
+    aggregation = getattr(backing, "aggregation", tf.VariableAggregation.NONE)
+    if var.dtype in ("float16", "bfloat16", "float32", "float64") and (
+        aggregation == tf.VariableAggregation.NONE):
+      out.append(var)
+  return out
+
+
+class WriteRecorder:
+  """Learns, at trace time, which state variables a forward pass writes.
+
+  `with recorder.watching(): forward...` patches `keras.Variable.assign` (through which
+  `assign_add`/`assign_sub` also go) for the duration of the Python call only, so it acts while
+  tracing and costs nothing at run time. `variables` lists what was seen, in `model` order.
+  """
+
+  def __init__(self, model):
+    self._candidates = _writable_state(model)
+    self._ids = {id(v) for v in self._candidates}
+    self._written = set()
+
+  @contextlib.contextmanager
+  def watching(self):
+    cls = keras.Variable
+    own = cls.__dict__.get("assign")  # None when `assign` is inherited.
+    original = cls.assign
+    written, ids = self._written, self._ids
+
+    def assign(variable, value):
+      if id(variable) in ids:
+        written.add(id(variable))
+      return original(variable, value)
+
+    cls.assign = assign
+    try:
+      yield
+    finally:
+      if own is None:
+        del cls.assign
+      else:
+        cls.assign = own
+
+  @property
+  def variables(self) -> list:
+    return [v for v in self._candidates if id(v) in self._written]
+
+
+def local_values(variables) -> list:
+  """This replica's values (replica context, traced)."""
+  return [tf.identity(tf.cast(tf.convert_to_tensor(v), tf.float32)) for v in variables]
+
+
+def assign_means(variables, means) -> None:
+  """Writes each mean into this replica's copy (replica context, local, no communication)."""
+  for var, mean in zip(variables, means):
+    var.assign(tf.cast(mean, var.dtype))
