@@ -7,7 +7,10 @@ the same behaviour for free:
     the extra environment, then the argv quoted with `shlex.join`, so each printed line can be
     pasted into a POSIX shell and runs the same thing.
   * `run()` runs one command in the foreground; `supervise()` runs several side by side and stops
-    the rest as soon as one fails. Both end only the processes they started, by PID.
+    the rest as soon as one fails. Both end only the processes they started, by PID. A SIGTERM to
+    the launcher reaches those local processes only: a process they start on another machine
+    (ssh, gcloud) never sees it, which is why launch/tpu_vm.py sends its own remote stop, run
+    with `run_to_end()` so that a second signal cannot cut it short.
   * `run_with_restarts()` is the bounded restart loop: it repeats an attempt while it exits with a
     code that means "restart me" (`trainer.exit_codes`), at most `max_restarts` times.
 
@@ -242,6 +245,23 @@ def run(cmd: Command) -> int:
       stop([proc])
 
 
+def run_to_end(cmd: Command) -> int:
+  """Runs one command to completion while the launcher ignores SIGTERM and Ctrl-C.
+
+  For cleanup that must not be cut short, e.g. stopping a remote trainer after the launcher was
+  told to stop: a second signal then cannot leave the trainer running. The child runs in its own
+  session, so Ctrl-C at the terminal does not reach it either.
+  """
+  handlers = {}
+  if _in_main_thread():
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    return _exit_status(start(cmd).wait())
+  finally:
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
+
+
 def supervise(commands: Sequence[Command], poll_s: float = 0.2,
               grace_s: float = TERM_GRACE_S) -> int:
   """Runs `commands` side by side; returns 0 when all exit 0, else the first failure's status.
@@ -304,5 +324,8 @@ def run_main(main: Callable[[Sequence[str]], int]) -> None:
     except LaunchError as e:
       print(f"error: {e}", file=sys.stderr)
       return 2
+    except KeyboardInterrupt:
+      print("error: interrupted (Ctrl-C)", file=sys.stderr)
+      return 130
 
   app.run(wrapped)

@@ -2,7 +2,8 @@
 
 Most tests run `python -m launch.X --dry_run` (no TensorFlow is imported there: well under a
 second each) or call the launchers' functions with fake commands (`sh -c 'exit 42'`). The one
-`slow` test really trains: two local workers of a multi-worker job.
+`slow` test really trains: two local workers of a multi-worker job. The TPU launcher has its own
+files: tests/test_tpu_vm.py, tests/test_tpu_runtime.py, tests/test_tpu_remote.py.
 """
 import json
 import os
@@ -17,7 +18,6 @@ import pytest
 from launch import common
 from launch import multi_worker
 from launch import single_machine
-from launch import tpu_vm
 from trainer import exit_codes
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -246,142 +246,3 @@ def test_local_multi_worker_really_trains(tmp_path):
   checkpoints = workdir / "checkpoints"
   names = [p.name for p in checkpoints.rglob("*")] if checkpoints.is_dir() else []
   assert any(n == "checkpoint" or n.startswith("ckpt-") for n in names), names
-
-
-# --- launch.tpu_vm -------------------------------------------------------------------------------
-
-TPU_ARGS = ("--tpu_name=fm", "--zone=us-central2-b", "--project=proj", f"--config={CONFIG}",
-            "--workdir=gs://bucket/fm")
-WHERE = "--zone=us-central2-b --project=proj"
-INSTALL = ("gcloud compute tpus tpu-vm ssh fm " + WHERE + " --worker=all '--command=cd ~/microstep"
-           " && python3 -m pip install -r launch/requirements-tpu.txt && python3 -m pip install "
-           "--no-deps '\"'\"'tf-models-official~=2.20.0'\"'\"' '\"'\"'tf-keras~=2.20.0'\"'\"''")
-TRAIN = ("gcloud compute tpus tpu-vm ssh fm " + WHERE + " --worker=all "
-         "--ssh-flag=-oServerAliveInterval=60 '--command=cd ~/microstep && python3 -m trainer.main"
-         f" --config={CONFIG} --workdir=gs://bucket/fm --config.strategy=tpu "
-         "--config.tpu_address=local")
-
-
-def test_tpu_dry_run_prints_create_scp_install_run_in_order():
-  lines = dry_run_lines("tpu_vm", *TPU_ARGS, "--queued_resource", "--spot", "--watch",
-                        "--accelerator_type=v5litepod-8", "--runtime_version=v2-alpha-tpuv5-lite",
-                        "--override=batch_size=1024")
-  assert lines == [
-      "gcloud compute tpus queued-resources create fm-qr " + WHERE + " --node-id=fm "
-      "--accelerator-type=v5litepod-8 --runtime-version=v2-alpha-tpuv5-lite --spot",
-      "gcloud compute tpus queued-resources describe fm-qr " + WHERE +
-      " '--format=value(state.state)'",
-      "gcloud compute tpus tpu-vm ssh fm " + WHERE + " --worker=all '--command=mkdir -p "
-      "~/microstep'",
-      "gcloud compute tpus tpu-vm scp --recurse trainer configs launch 'fm:~/microstep/' " + WHERE +
-      " --worker=all",
-      INSTALL,
-      TRAIN + " --config.batch_size=1024'",
-  ]
-
-
-def test_tpu_dry_run_existing_vm_skips_create_and_best_effort_uses_alpha():
-  lines = dry_run_lines("tpu_vm", *TPU_ARGS)
-  assert lines[0].startswith("gcloud compute tpus tpu-vm ssh fm ")
-  assert "mkdir -p ~/microstep" in lines[0]
-  assert lines[-2:] == [INSTALL, TRAIN + "'"]
-  lines = dry_run_lines("tpu_vm", *TPU_ARGS, "--queued_resource", "--best_effort",
-                        "--queued_resource_id=my-qr")
-  assert lines[0] == ("gcloud alpha compute tpus queued-resources create my-qr " + WHERE +
-                      " --node-id=fm --accelerator-type=v4-8 "
-                      "--runtime-version=tpu-ubuntu2204-base --best-effort")
-
-
-@pytest.mark.parametrize("args, needles", [
-    (["--workdir=/tmp/fm"], ["--workdir=/tmp/fm", "gs://"]),
-    (["--queued_resource", "--spot", "--best_effort"], ["--spot", "--best_effort"]),
-    (["--best_effort"], ["--best_effort needs --queued_resource"]),
-    (["--tpu_name="], ["--tpu_name is required"]),
-    (["--override=tpu_address=grpc://x"], ["--override=tpu_address=grpc://x", "local"]),
-    (["--requirements=launch/none.txt"], ["--requirements=", "none.txt"]),
-])
-def test_tpu_invalid_flags_fail_with_one_line(args, needles):
-  assert_one_line_error(launcher("tpu_vm", *TPU_ARGS, *args, "--dry_run"), *needles)
-
-
-class FakeRunner(tpu_vm.Runner):
-  """Records commands; the training run exits with `train_codes` in turn. The VM is READY until a
-  training run ends, then `vm_state_after_run` until the next create; the queued resource ACTIVE."""
-
-  def __init__(self, train_codes, vm_state_after_run="READY"):
-    super().__init__(dry_run=False, sleep=lambda s: None)
-    self.train_codes = list(train_codes)
-    self.vm_state_after_run = vm_state_after_run
-    self.vm_state = "READY"
-    self.calls = []
-
-  def run(self, cmd):
-    name = self._name(cmd)
-    self.calls.append(name)
-    if name == "train":
-      self.vm_state = self.vm_state_after_run
-      return self.train_codes.pop(0)
-    if name.endswith("-create"):
-      self.vm_state = "READY"
-    return 0
-
-  def query(self, cmd, dry_answer=""):
-    self.calls.append(self._name(cmd))
-    return 0, "ACTIVE" if "queued-resources" in cmd.argv else self.vm_state
-
-  @staticmethod
-  def _name(cmd):
-    text = cmd.shell()
-    for needle, name in [("trainer.main", "train"), ("pip install", "install"),
-                         ("mkdir -p", "mkdir"), (" scp ", "scp")]:
-      if needle in text:
-        return name
-    return f"{cmd.argv[3]}-{cmd.argv[4]}"  # e.g. queued-resources-create, tpu-vm-describe.
-
-
-def _plan(**kwargs):
-  return tpu_vm.TpuPlan("fm", "us-central2-b", CONFIG, "gs://bucket/fm", **kwargs)
-
-
-SETUP = ["mkdir", "scp", "install"]
-
-
-def test_tpu_watch_recreates_queued_resource_after_preemption_exit():
-  runner = FakeRunner([exit_codes.PREEMPTED_EXIT_CODE, 0])
-  assert tpu_vm.launch(_plan(queued_resource=True, spot=True), runner, watch=True,
-                       max_restarts=2) == 0
-  wait = ["queued-resources-describe"]
-  assert runner.calls == (
-      wait + wait + SETUP + ["train"] +  # Found ACTIVE: no create.
-      ["queued-resources-delete", "queued-resources-create"] + wait + SETUP + ["train"])
-
-
-def test_tpu_watch_recreates_vm_found_preempted_and_is_bounded():
-  runner = FakeRunner([255, 255, 255], vm_state_after_run="PREEMPTED")
-  assert tpu_vm.launch(_plan(), runner, watch=True, max_restarts=1) == 255
-  again = ["tpu-vm-delete", "tpu-vm-create"] + SETUP + ["train", "tpu-vm-describe"]
-  assert runner.calls == ["tpu-vm-describe"] + SETUP + ["train", "tpu-vm-describe"] + again
-
-
-def test_tpu_never_recreates_after_a_crash_or_without_watch():
-  runner = FakeRunner([1])
-  assert tpu_vm.launch(_plan(), runner, watch=True, max_restarts=3) == 1
-  assert runner.calls == ["tpu-vm-describe"] + SETUP + ["train", "tpu-vm-describe"]
-  runner = FakeRunner([exit_codes.PREEMPTED_EXIT_CODE])
-  assert tpu_vm.launch(_plan(), runner, watch=False, max_restarts=3) == 42
-  assert runner.calls == ["tpu-vm-describe"] + SETUP + ["train"]
-
-
-def test_requirements_pin_tpu_and_gpu_separately():
-  tpu = (REPO_ROOT / "launch" / "requirements-tpu.txt").read_text().splitlines()
-  gpu = (REPO_ROOT / "launch" / "requirements-gpu.txt").read_text().splitlines()
-  assert "-f https://storage.googleapis.com/libtpu-releases/index.html" in tpu
-  assert "tensorflow-tpu==2.20.0" in tpu
-  assert tpu_vm.no_deps_requirements("launch/requirements-tpu.txt") == [
-      "tf-models-official~=2.20.0", "tf-keras~=2.20.0"]
-  # Nothing installed *with* dependencies may pull the plain `tensorflow` wheel.
-  installed = [l for l in tpu if l.strip() and not l.startswith(("#", "-"))]
-  pulls_tensorflow = ("tensorflow=", "tensorflow~", "tensorflow[", "tf-models", "tf-keras")
-  assert not any(l.startswith(pulls_tensorflow) for l in installed), installed
-  assert "tensorflow[and-cuda]~=2.20.0" in gpu
-  assert not any("tensorflow-tpu" in l for l in gpu)

@@ -17,6 +17,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.tpu_address = ""       # `local` on a TPU VM, else the TPU name or grpc:// address.
   config.device = ""            # one_device only; empty picks GPU:0 when present, else CPU:0.
   config.peer_timeout_s = 120   # multi-worker: give up on a missing peer after this long.
+  config.collective_timeout_s = 0  # multi-worker: abort one all-reduce after this long; 0: never.
   config.xla = "auto"           # auto (on for GPUs, off on CPUs; TPUs always compile) | on | off
   # --- What it trains.
   config.task = "classification"  # classification | triplet

@@ -8,8 +8,8 @@ any model or dataset is built (logical CPU devices can only be created before TF
 | default                  | `tf.distribute.get_strategy()`: no distribution, one device         |
 | one_device               | `OneDeviceStrategy(config.device or GPU:0 or CPU:0)`                |
 | mirrored                 | all local GPUs, or `cpu_replicas` logical CPU devices if > 0        |
-| multi_worker_mirrored    | `MultiWorkerMirroredStrategy` from TF_CONFIG, collective timeout    |
-| tpu                      | `TPUStrategy` on `tpu_address` (`local` on a TPU VM)                |
+| multi_worker_mirrored    | `MultiWorkerMirroredStrategy` from TF_CONFIG                        |
+| tpu                      | `TPUStrategy` on `tpu_address`: `local`, or a pod slice's name      |
 """
 import contextlib
 import itertools
@@ -105,8 +105,13 @@ def _multi_worker(config) -> tf.distribute.Strategy:
   except (ValueError, KeyError) as e:
     raise errors.ConfigError(f"TF_CONFIG is not valid JSON with a `cluster` key: {e}") from None
   logging.info("multi-worker cluster: %s", cluster)
+  # `peer_timeout_s` bounds only the wait for every worker to arrive. A peer lost later is found
+  # by TF's own health check, which aborts the collectives with UnavailableError (exit 43);
+  # `collective_timeout_s` (0: none, TF's default) is the debugging aid TF documents at
+  # https://www.tensorflow.org/api_docs/python/tf/distribute/experimental/CommunicationOptions,
+  # so a slow first compile or restore is not mistaken for a lost peer.
   options = tf.distribute.experimental.CommunicationOptions(
-      timeout_seconds=float(config.peer_timeout_s))
+      timeout_seconds=float(config.collective_timeout_s) or None)
   message = (f"not every worker of {cluster} arrived within `peer_timeout_s`="
              f"{config.peer_timeout_s}; start all workers together")
   with _killed_if_stuck(float(config.peer_timeout_s), message):
@@ -114,10 +119,19 @@ def _multi_worker(config) -> tf.distribute.Strategy:
 
 
 def _tpu(config) -> tf.distribute.Strategy:
+  """`local`: the chips of this TPU VM. Any other address (a TPU's name, e.g. a pod slice's, or
+  grpc://HOST:PORT) is resolved and connected to as a cluster: on a pod slice this process is the
+  one client, on worker 0, and every worker's TPU runtime service runs the computation. That
+  client must leave worker 0's chips to the service: TPU_LOAD_LIBRARY=0 (launch/tpu_vm.py sets it).
+  """
   if not config.tpu_address:
     raise ValueError("`strategy`=tpu needs `tpu_address` (`local` on a TPU VM, or a TPU name).")
   resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.tpu_address)
   if config.tpu_address != "local":
+    if os.environ.get("TPU_LOAD_LIBRARY") != "0":
+      logging.warning("`tpu_address`=%s without TPU_LOAD_LIBRARY=0: on a TPU VM this process "
+                      "takes the local chips that the slice's TPU runtime needs.",
+                      config.tpu_address)
     tf.config.experimental_connect_to_cluster(resolver)
   tf.tpu.experimental.initialize_tpu_system(resolver)
   return tf.distribute.TPUStrategy(resolver)

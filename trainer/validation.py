@@ -58,6 +58,7 @@ def validate(config) -> None:
     _number(config, field, 0)
   _number(config, "optimizer.learning_rate", 0, integer=False, strict=True)
   _number(config, "peer_timeout_s", 0, integer=False, strict=True)
+  _number(config, "collective_timeout_s", 0, integer=False)
   _number(config, "eval_timeout_s", 0, integer=False, strict=True)
   for field in ("optimizer.momentum", "optimizer.weight_decay", "optimizer.global_clipnorm"):
     _number(config, field, 0, integer=False)
