@@ -2,8 +2,8 @@
 
 usage: python tests/crash_worker.py PHASE:STEP [trainer.main flags...]
 PHASE: before_write (nothing written), mid_write (a timer kills while files are written),
-after_files (files written, `checkpoint` index not yet updated). STEP: the global step whose save
-dies. Production code is untouched; the patches live only in this process.
+after_files (files written, `checkpoint` index not yet updated), data_state (the main checkpoint
+complete, the input iterator's not yet written). STEP: the global step whose save dies. Production code is untouched; the patches live only in this process.
 """
 import os
 import random
@@ -29,14 +29,16 @@ def main():
 
   def write(self, file_prefix, options=None):
     if file_prefix.endswith(f"ckpt-{step}"):
-      if phase == "before_write":
+      data_state = "data_state" in file_prefix
+      if phase == "before_write" and not data_state or phase == "data_state" and data_state:
         _die()
-      if phase == "mid_write":
+      if phase == "mid_write" and not data_state:
         threading.Timer(random.uniform(0.0, 0.02), _die).start()
     return original_write(self, file_prefix, options=options)
 
   def update_state(save_dir, model_checkpoint_path, *args, **kwargs):
-    if phase == "after_files" and model_checkpoint_path.endswith(f"ckpt-{step}"):
+    if (phase == "after_files" and "data_state" not in save_dir
+        and model_checkpoint_path.endswith(f"ckpt-{step}")):
       _die()
     return original_state(save_dir, model_checkpoint_path, *args, **kwargs)
 

@@ -2,12 +2,16 @@
 
 The reference is the thing accumulation must equal: a plain Keras optimizer on ONE device, fed
 the concatenated batch of an update (k micro-batches x all replicas), with Keras' own
-`global_clipnorm` (correct on one device) and loss Σ w·l / Σ w.
+`global_clipnorm` (correct on one device, on dense gradients) and loss Σ w·l / Σ w.
 """
+import os
+
 import numpy as np
 import tensorflow as tf
 
+from trainer import base_task
 from trainer import config_defaults
+from trainer import data
 from trainer import optimizers
 from trainer import run
 from trainer import tasks
@@ -26,6 +30,7 @@ def tiny_config(**overrides):
   config.steps_per_loop = 3
   config.eval_every = 3
   config.checkpoint_every = 3
+  config.export_at_end = False
   config.optimizer.learning_rate = 0.05
   for key, value in overrides.items():
     node = config
@@ -36,10 +41,15 @@ def tiny_config(**overrides):
   return config
 
 
-def build(config, workdir):
+def build(config, workdir, task=None):
   """Strategy and trainer from the real builder (no Controller)."""
-  strategy, trainer, _, _, _ = run.build(config, str(workdir))
+  strategy, trainer, _, _, _ = run.build(config, str(workdir), task)
   return strategy, trainer
+
+
+def train_source(config, task=None):
+  task = task or tasks.create_task(config)
+  return data.as_source(task.train_data(), "train_data()")
 
 
 def local_values(strategy, variable):
@@ -54,18 +64,18 @@ def snapshot(strategy, trainer):
   return weights, slots
 
 
-def update_batches(config, num_updates, make_batch=None):
+def update_batches(config, num_updates, task=None, source=None):
   """The concatenated batch of each update: stream positions [u*k*B, (u+1)*k*B)."""
-  task = tasks.create_task(config)
-  make_batch = make_batch or task.batch_fn("train")
+  source = source or train_source(config, task)
   per_update = config.accumulation.steps * config.batch_size
-  return [make_batch(tf.range(u * per_update, (u + 1) * per_update, dtype=tf.int64))
+  return [data.batch_at(source, tf.range(u * per_update, (u + 1) * per_update, dtype=tf.int64),
+                        seed=config.seed, shuffle=config.data.shuffle)
           for u in range(num_updates)]
 
 
-def reference_run(config, initial_weights, batches):
+def reference_run(config, initial_weights, batches, task=None):
   """Plain single-device updates on whole batches; returns (weights, optimizer variables)."""
-  task = tasks.create_task(config)
+  task = task or tasks.create_task(config)
   model = task.build_model()
   for var, value in zip(model.trainable_variables, initial_weights):
     var.assign(value)
@@ -76,9 +86,11 @@ def reference_run(config, initial_weights, batches):
   @tf.function
   def step(batch):
     with tf.GradientTape() as tape:
-      out = task.per_example_loss(model, batch, training=True)
-      loss = tf.reduce_sum(out.loss * out.weight) / tf.reduce_sum(out.weight)
+      loss, weight, _ = base_task.weighted_outputs(task, model, batch, training=True)
+      loss = tf.reduce_sum(loss * weight) / tf.reduce_sum(weight)
     grads = tape.gradient(loss, model.trainable_variables)
+    # Dense gradients: Keras clips IndexedSlices by the norm of the slices, not of the gradient.
+    grads = [tf.convert_to_tensor(g) for g in grads]
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
   for batch in batches:
@@ -90,3 +102,65 @@ def reference_run(config, initial_weights, batches):
 def max_abs_diff(a, b):
   return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
              for x, y in zip(a, b))
+
+
+class WithBatchWeights(tasks.task_class("classification")):
+  """The classification task, with per-example weights read from a batch field `weight`."""
+
+  def __init__(self, config, weight_fn):
+    super().__init__(config)
+    self._weight_fn = weight_fn
+
+  def train_data(self):
+    source = super().train_data()
+
+    def take(ids, positions):
+      return dict(source.take(ids, positions), weight=self._weight_fn(positions))
+    return base_task.ExampleSource(source.num_examples, take)
+
+  def per_example_loss(self, model, batch, training):
+    out = super().per_example_loss(model, {k: v for k, v in batch.items() if k != "weight"},
+                                   training)
+    return base_task.LossOutput(loss=out.loss, weight=batch["weight"], metrics=out.metrics)
+
+
+# ----------------------------------------------------------------------------- the CLI ---------
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(REPO, "tests")
+
+
+def run_cli(workdir, config_arg, *overrides, cwd=None, timeout=300, extra_env=None):
+  """`python -m trainer.main --config=CONFIG --workdir=W --config.O ...` in a subprocess.
+
+  `config_arg` is relative to the repository unless absolute. The repository and tests/ are on
+  PYTHONPATH, so tasks in tests/ (example_tasks) import by path. Returns the CompletedProcess.
+  """
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  config = config_arg if os.path.isabs(config_arg) else os.path.join(REPO, config_arg)
+  cmd = ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainer.main",
+         f"--config={config}", f"--workdir={workdir}"] + [f"--config.{o}" for o in overrides]
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+             PYTHONPATH=os.pathsep.join([REPO, TESTS, os.environ.get("PYTHONPATH", "")]))
+  env.update(extra_env or {})
+  return subprocess.run(cmd, cwd=cwd or REPO, capture_output=True, text=True,
+                        timeout=timeout + 20, env=env, check=False)
+
+
+def checkpoint_weights(workdir) -> tuple:
+  """(path, {key: array}) of the model weights in the latest checkpoint of a run's workdir."""
+  path = tf.train.latest_checkpoint(os.path.join(str(workdir), "checkpoints"))
+  reader = tf.train.load_checkpoint(path)
+  names = sorted(n for n in reader.get_variable_to_shape_map() if n.startswith("weights/"))
+  assert names, "the checkpoint must hold the model's variables"
+  return path, {n: reader.get_tensor(n) for n in names}
+
+
+def assert_same_weights(workdir_a, workdir_b):
+  """Bitwise equality of the latest checkpoints' weights of two runs."""
+  path_a, a = checkpoint_weights(workdir_a)
+  path_b, b = checkpoint_weights(workdir_b)
+  assert os.path.basename(path_a) == os.path.basename(path_b), (path_a, path_b)
+  assert a.keys() == b.keys()
+  for name in a:
+    assert np.array_equal(a[name], b[name]), name

@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 import helpers
+from trainer import base_task
 
 OPTIMIZERS = {
     "sgd_momentum": {"optimizer.name": "sgd", "optimizer.momentum": 0.9,
@@ -58,39 +59,33 @@ def test_k1_uses_no_buffers(tmp_path):
   assert int(trainer.micro_batches_seen.numpy()) == 2
 
 
+def _masked(positions):
+  # Between 2 and 6 valid examples of 8 per replica and micro-step, all different.
+  keep = (positions * 37 + positions // 5) % 9 < 2 + (positions // 8) % 5
+  return tf.cast(keep, tf.float32)
+
+
 def test_mean_of_means_would_fail_masked_counts(tmp_path):
   """Different valid counts per micro-step and replica still give ∇(Σloss/Σcount)."""
   config = helpers.tiny_config(**{"accumulation.steps": 4, "strategy": "mirrored",
                                   "cpu_replicas": 2, "optimizer.name": "sgd",
                                   "optimizer.learning_rate": 0.5, "train_steps": 2})
-  import trainer.run as run_lib  # pylint: disable=g-import-not-at-top
-  from trainer import tasks  # pylint: disable=g-import-not-at-top
-  base_batch = tasks.create_task(config).batch_fn("train")
-
-  def masked_batch(positions):
-    batch = base_batch(positions)
-    # Between 2 and 6 valid examples of 8 per replica and micro-step, all different.
-    keep = (positions * 37 + positions // 5) % 9 < 2 + (positions // 8) % 5
-    return dict(batch, weight=tf.cast(keep, tf.float32))
-
-  strategy, trainer = helpers.build(config, tmp_path)
-  trainer.train_dataset = run_lib._distribute(strategy, config.batch_size, masked_batch)  # pylint: disable=protected-access
+  task = helpers.WithBatchWeights(config, _masked)
+  strategy, trainer = helpers.build(config, tmp_path, task)
   initial, _ = helpers.snapshot(strategy, trainer)
   trainer.train(tf.constant(2))
   weights, _ = helpers.snapshot(strategy, trainer)
-  batches = helpers.update_batches(config, 2, masked_batch)
+  batches = helpers.update_batches(config, 2, task)
   counts = [np.array(b["weight"]).reshape(4, 2, 8).sum(-1) for b in batches]
   assert len({float(c) for c in counts[0].ravel()}) > 2, "counts must differ across micro-steps"
-  ref_weights, _ = helpers.reference_run(config, initial, batches)
+  ref_weights, _ = helpers.reference_run(config, initial, batches, task)
   assert helpers.max_abs_diff(weights, ref_weights) <= 1e-6
   # The mean of per-micro-batch means is measurably different on these masks.
-  mean_of_means = _mean_of_means_weights(config, initial, batches)
+  mean_of_means = _mean_of_means_weights(config, initial, batches, task)
   assert helpers.max_abs_diff(mean_of_means, ref_weights) > 1e-4
 
 
-def _mean_of_means_weights(config, initial, batches):
-  from trainer import tasks  # pylint: disable=g-import-not-at-top
-  task = tasks.create_task(config)
+def _mean_of_means_weights(config, initial, batches, task):
   model = task.build_model()
   for var, value in zip(model.trainable_variables, initial):
     var.assign(value)
@@ -100,8 +95,8 @@ def _mean_of_means_weights(config, initial, batches):
     for i in range(k):
       micro = {key: value[i * b:(i + 1) * b] for key, value in batch.items()}
       with tf.GradientTape() as tape:
-        out = task.per_example_loss(model, micro, training=True)
-        loss = tf.reduce_sum(out.loss * out.weight) / tf.maximum(tf.reduce_sum(out.weight), 1.0)
+        loss, weight, _ = base_task.weighted_outputs(task, model, micro, training=True)
+        loss = tf.reduce_sum(loss * weight) / tf.maximum(tf.reduce_sum(weight), 1.0)
       g = tape.gradient(loss, model.trainable_variables)
       grads = g if grads is None else [x + y for x, y in zip(grads, g)]
     for var, g in zip(model.trainable_variables, grads):

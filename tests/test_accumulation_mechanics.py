@@ -4,9 +4,10 @@ import pytest
 import tensorflow as tf
 
 import helpers
+from trainer import base_task
 from trainer import collectives
+from trainer import data
 from trainer import run as run_lib
-from trainer import tasks
 
 
 def _mirrored_config(**overrides):
@@ -26,12 +27,13 @@ def test_micro_steps_stay_local(tmp_path):
     micro(iterator)
   grad_buffers, scalar_buffers = trainer.buffers.local_values(strategy)
   # Expected: replica r summed positions [g*16 + r*8, g*16 + r*8 + 8) for g = 0, 1, 2.
-  make_batch = tasks.create_task(config).batch_fn("train")
+  source = helpers.train_source(config)
   for replica in range(2):
     grads, scalars = None, None
     for g in range(3):
       start = g * 16 + replica * 8
-      batch = make_batch(tf.range(start, start + 8, dtype=tf.int64))
+      batch = data.batch_at(source, tf.range(start, start + 8, dtype=tf.int64),
+                            seed=config.seed, shuffle=config.data.shuffle)
       local_grads, local_scalars = trainer.local_sums(batch)
       grads = local_grads if grads is None else [a + b for a, b in zip(grads, local_grads)]
       scalars = local_scalars if scalars is None else scalars + local_scalars
@@ -64,10 +66,10 @@ def test_overflow_on_one_replica_skips_the_whole_update(tmp_path):
   """An Inf in micro-step 2 on replica 1 only: no replica applies, the loss scale halves once."""
   config = _mirrored_config(**{"mixed_precision": "mixed_float16", "train_steps": 2,
                                "optimizer.name": "adam"})
-  base_batch = tasks.create_task(config).batch_fn("train")
+  source = helpers.train_source(config)
 
-  def poisoned_batch(positions):
-    batch = base_batch(positions)
+  def poisoned(ids, positions):
+    batch = source.take(ids, positions)
     # Update 0 = positions [0, 64); micro-step 2 = [32, 48); replica 1 owns [40, 48).
     bad = tf.logical_and(positions >= 40, positions < 48)
     image = tf.where(bad[:, None, None, None], tf.constant(np.inf, batch["image"].dtype),
@@ -75,7 +77,8 @@ def test_overflow_on_one_replica_skips_the_whole_update(tmp_path):
     return dict(batch, image=image)
 
   strategy, trainer = helpers.build(config, tmp_path)
-  trainer.train_dataset = run_lib._distribute(strategy, config.batch_size, poisoned_batch)  # pylint: disable=protected-access
+  trainer.train_dataset = run_lib._train_dataset(  # pylint: disable=protected-access
+      config, strategy, base_task.ExampleSource(source.num_examples, poisoned), 0)
   weights, slots = helpers.snapshot(strategy, trainer)
   scale = float(trainer.loss_scale.numpy())
   trainer.train(tf.constant(1))

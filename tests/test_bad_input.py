@@ -16,9 +16,10 @@ import pytest
 import tensorflow as tf
 
 import helpers
-from trainer import data
+from trainer import errors
 from trainer import run
 from trainer import validation
+from trainer.tasks import fashion_mnist
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +34,7 @@ def _idx(path, array):
 def _fake_data_dir(root, images=(64, 28, 28), labels=None, truncate=False):
   os.makedirs(root, exist_ok=True)
   rng = np.random.RandomState(0)
-  for split, (image_name, label_name) in data._IDX_FILES.items():  # pylint: disable=protected-access
+  for split, (image_name, label_name) in fashion_mnist._IDX_FILES.items():  # pylint: disable=protected-access
     x = rng.randint(0, 255, images)
     y = rng.randint(0, 10, images[0]) if labels is None else np.full(images[0], labels)
     _idx(os.path.join(root, image_name), x)
@@ -103,9 +104,9 @@ def test_bad_input_table(trained_workdir, tmp_path, case, overrides, make_data, 
   workdir, latest = trained_workdir
   if make_data:
     overrides = dict(overrides, **{"data.dir": make_data(tmp_path / "data")})
-  data._cached_arrays.cache_clear()  # pylint: disable=protected-access
+  fashion_mnist._cached_arrays.cache_clear()  # pylint: disable=protected-access
   config = helpers.tiny_config(**overrides)
-  with pytest.raises((validation.ConfigError, data.DataError)) as error:
+  with pytest.raises((errors.ConfigError, errors.DataError)) as error:
     run.run(config, str(workdir))
   text = str(error.value)
   assert message in text
@@ -117,8 +118,8 @@ def test_bad_input_table(trained_workdir, tmp_path, case, overrides, make_data, 
 def test_nan_inputs_refused():
   images = np.zeros((4, 28, 28), np.float32)
   images[1, 3, 3] = np.nan
-  with pytest.raises(data.DataError, match="NaN or Inf"):
-    data.check_arrays(images, np.zeros(4, np.int64), "train")
+  with pytest.raises(errors.DataError, match="NaN or Inf"):
+    fashion_mnist.check_arrays(images, np.zeros(4, np.int64), "train")
 
 
 def test_unwritable_workdir(tmp_path):

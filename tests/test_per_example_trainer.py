@@ -44,5 +44,5 @@ def test_statistics_every_n_updates(tmp_path, replicas, k):
 def test_triplet_task_is_refused(tmp_path):
   config = helpers.tiny_config(**{"task": "triplet", "model": "vgg_small",
                                   "data.image_size": 32, "per_example.every_steps": 1})
-  with pytest.raises(ValueError, match="`per_example.every_steps` needs `task`=classification"):
+  with pytest.raises(ValueError, match="`per_example.every_steps` needs one model row per example"):
     helpers.build(config, tmp_path)

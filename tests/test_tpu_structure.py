@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import cpu_tpu
 import helpers
+from trainer import data
 from trainer import optimizers
 from trainer import orbit_trainer
 from trainer import per_example_summaries
@@ -26,7 +27,8 @@ def _tpu_trainer(**overrides):
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
-  batch = task.batch_fn("train")(tf.range(8, dtype=tf.int64))
+  batch = data.batch_at(helpers.train_source(config, task), tf.range(8, dtype=tf.int64),
+                        seed=0, shuffle=True)
   return strategy, trainer, tf.nest.map_structure(tf.TensorSpec.from_tensor, batch)
 
 
@@ -85,6 +87,7 @@ def test_old_path_fails_on_tpu_dataclass_outputs():
 
   def old_reduce_step(batch):
     return Reduced(grads=trainer.local_sums(batch)[0])
+
   with pytest.raises(Exception, match="TPU function return values must all either be"):
     _trace(strategy, old_reduce_step, spec)
 

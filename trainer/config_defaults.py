@@ -20,8 +20,10 @@ def base_config() -> ml_collections.ConfigDict:
   config.collective_timeout_s = 0  # multi-worker: abort one all-reduce after this long; 0: never.
   config.xla = "auto"           # auto (on for GPUs, off on CPUs; TPUs always compile) | on | off
   # --- What it trains.
-  config.task = "classification"  # classification | triplet
-  config.model = "small_cnn"      # small_cnn | small_cnn_bn | mlp | vgg16 | vgg_small
+  # A built-in task (classification | triplet | text_classification | npz_classification) or an
+  # import path `package.module:ClassName` of your own (trainer.base_task, docs/tasks.md).
+  config.task = "classification"
+  config.model = "small_cnn"      # Built-in tasks: small_cnn | small_cnn_bn | mlp | vgg16 | vgg_small
   config.mixed_precision = "float32"  # float32 | mixed_float16 | mixed_bfloat16
   config.seed = 0
   config.deterministic = False  # tf.config.experimental.enable_op_determinism()
@@ -29,19 +31,29 @@ def base_config() -> ml_collections.ConfigDict:
   # across replicas once per update, in the update's all-reduce | local: left per replica.
   config.replica_state = "mean"
   config.data = ml_collections.ConfigDict()
+  config.data.shuffle = True    # Random-access sources: a new permutation every epoch.
+  # tf.data sources: how a restart finds its place. auto: restore the input iterator saved with
+  # the checkpoint (skip on TPUs, where iterators cannot be saved) | iterator | skip.
+  config.data.resume = "auto"
+  # Fashion-MNIST tasks (classification, triplet):
   config.data.name = "fashion_mnist"
   config.data.source = "idx"    # idx (Debian package files) | tfds | synthetic
   config.data.dir = DATA_DIR
   config.data.synthetic_train_examples = 2048
   config.data.synthetic_test_examples = 512
   config.data.image_size = 28   # Images are resized (bilinear) when this differs from 28.
-  config.data.shuffle = True
+  # npz_classification: arrays <features_key>_train, <labels_key>_train (+ _test) in one file.
+  config.data.path = ""
+  config.data.features_key = "x"
+  config.data.labels_key = "y"
+  config.data.num_classes = 0   # 0: max(label) + 1.
   # --- How long and how big. One step = one optimizer update.
   config.batch_size = 128       # Global examples per micro-step, all replicas together.
   config.eval_batch_size = 1000
   config.train_steps = 1000     # Optimizer updates.
   config.steps_per_loop = 100
-  config.mode = "train_and_eval"  # train | eval | train_and_eval | continuous_eval
+  config.mode = "train_and_eval"  # train | eval | train_and_eval | continuous_eval | export
+  config.export_at_end = True   # After training: a SavedModel in workdir/export/<update>.
   config.eval_every = 1000      # Updates between evaluations.
   config.eval_steps = -1        # -1: the whole test split.
   config.eval_timeout_s = 600   # continuous_eval: stop after this long without a new checkpoint.
@@ -78,6 +90,16 @@ def base_config() -> ml_collections.ConfigDict:
   config.triplet = ml_collections.ConfigDict()
   config.triplet.margin = 0.2
   config.triplet.embedding_dim = 64
+  # --- text_classification task only: generated token sequences, a small Transformer.
+  config.text = ml_collections.ConfigDict()
+  config.text.vocab_size = 1000
+  config.text.sequence_length = 16
+  config.text.target_token = 7      # The label: does this token occur in the sequence?
+  config.text.embedding_dim = 32
+  config.text.num_heads = 2
+  config.text.key_dim = 16
+  config.text.train_examples = 4096
+  config.text.test_examples = 1024
   return config
 
 

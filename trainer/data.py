@@ -1,120 +1,169 @@
-"""Input: Fashion-MNIST arrays and the deterministic, resumable example stream.
+"""Input: a task's data source turned into per-replica batches, deterministic and resumable.
 
-The training data is an infinite stream of example positions 0, 1, 2, ...; position p belongs to
-epoch p // N and maps to example `index_shuffle(p % N, seed=[seed, epoch])`, a stateless
-permutation. Global micro-batch g is positions [g*B, (g+1)*B). Replica r of R takes the slice
-[r*B/R, (r+1)*B/R) of it. Hence:
-  * the examples of every global batch are the same for any number of replicas or workers;
-  * k micro-batches of B are exactly one batch of k*B (same order);
-  * resuming needs only the number of micro-batches consumed, which the checkpoint stores
-    (`micro_batches_seen`), instead of a serialized shuffle buffer.
+Two kinds of source (see `trainer.base_task`):
 
-Dataset functions run inside `tf.data` (traced, host CPU), once per input pipeline (worker), and
-are handed to `strategy.distribute_datasets_from_function`, which deals the per-replica batches of
-one pipeline round-robin to its local replicas.
+**Random access** (dict of arrays, `.npz` path, indexable, `ExampleSource`). The training data is
+an infinite stream of example positions 0, 1, 2, ...; position p belongs to epoch p // N and maps
+to example `index_shuffle(p % N, seed=[seed, epoch])`, a stateless permutation. Global
+micro-batch g is positions [g*B, (g+1)*B); replica r of R takes the slice [r*B/R, (r+1)*B/R).
+Hence the examples of every global batch are the same for any number of replicas or workers, k
+micro-batches of B are exactly one batch of k*B, and resuming needs only the number of
+micro-batches consumed (`micro_batches_seen`, in the checkpoint). Evaluation visits positions
+0..N-1 once, padded to whole batches with `VALID_KEY` = 0.
+
+**A tf.data factory.** Sharded by input pipeline (when the factory takes no input context),
+repeated and batched per replica for training; batched, padded and sharded for evaluation. Resume
+restores the iterator or skips what was consumed (`trainer.checkpointing`).
+
+Every batch carries `VALID_KEY` ([b] float32: 1 for real examples, 0 for padding), which the
+trainer multiplies into the task's weights and removes before the task sees the batch. Dataset
+functions run inside tf.data (traced, host CPU), once per input pipeline, and are handed to
+`strategy.distribute_datasets_from_function`.
 """
-import functools
-import gzip
+import dataclasses
+import inspect
 import os
 import sys
+from typing import Any, Callable, Optional
 
 import numpy as np
 import tensorflow as tf
 
-NUM_CLASSES = 10
-_IDX_FILES = {
-    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
-}
-APT_HINT = ("install it with `sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu), or set "
-            "`data.dir`, or `data.source`=tfds|synthetic")
+from trainer import base_task
+from trainer import errors
+
+VALID_KEY = "_valid"
 
 
-class DataError(ValueError):
-  """Bad or missing input data; the message is one line naming the field."""
+@dataclasses.dataclass(frozen=True)
+class DatasetFactory:
+  """A user's `tf.data` factory: `make()` or `make(input_context)` -> dataset of example dicts."""
+  make: Callable[..., tf.data.Dataset]
+
+  @property
+  def takes_input_context(self) -> bool:
+    try:
+      return len(inspect.signature(self.make).parameters) >= 1
+    except (TypeError, ValueError):
+      return False
+
+  def dataset(self, input_context) -> tf.data.Dataset:
+    if self.takes_input_context:
+      return self.make(input_context)
+    dataset = self.make()
+    if input_context.num_input_pipelines > 1:
+      dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+    return dataset
 
 
-def _read_idx(path: str) -> np.ndarray:
-  with gzip.open(path, "rb") as f:
-    raw = f.read()
-  if len(raw) < 8 or raw[0] != 0 or raw[1] != 0 or raw[2] != 8:
-    raise DataError(f"{path} is not an unsigned-byte IDX file")
-  ndim = raw[3]
-  dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-  data = np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim)
-  if data.size != int(np.prod(dims)):
-    raise DataError(f"{path} is truncated: header says {dims}, found {data.size} bytes")
-  return data.reshape(dims)
+# ------------------------------------------------------------------ recognising sources -------
+def _check_arrays(arrays: dict, what: str) -> dict:
+  if not arrays:
+    raise errors.DataError(f"{what} is an empty dict; expected name -> array")
+  arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
+  if VALID_KEY in arrays:
+    raise errors.DataError(f"{what} has a field named {VALID_KEY!r}, which microstep reserves")
+  sizes = {k: (v.shape[0] if v.ndim else None) for k, v in arrays.items()}
+  if len(set(sizes.values())) != 1 or None in sizes.values():
+    raise errors.DataError(f"{what} arrays must share one leading dimension; got {sizes}")
+  if next(iter(sizes.values())) == 0:
+    raise errors.DataError(f"{what} is empty; expected at least one example")
+  for name, array in arrays.items():
+    if array.dtype == object:
+      raise errors.DataError(f"{what} field {name!r} has dtype object; expected numbers")
+    if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
+      raise errors.DataError(f"{what} field {name!r} contains NaN or Inf values")
+  return arrays
 
 
-def _load_idx(data_dir: str, split: str):
-  if not os.path.isdir(data_dir):
-    raise DataError(f"`data.dir`={data_dir!r} does not exist: Fashion-MNIST is missing; "
-                    + APT_HINT)
-  paths = [os.path.join(data_dir, f) for f in _IDX_FILES[split]]
-  missing = [p for p in paths if not os.path.exists(p)]
-  if missing:
-    raise DataError(f"`data.dir`={data_dir!r} lacks {os.path.basename(missing[0])}; " + APT_HINT)
-  return _read_idx(paths[0]), _read_idx(paths[1])
+def _load_npz(path: str, what: str) -> dict:
+  if not os.path.isfile(path):
+    raise errors.DataError(f"{what}: {path!r} is not a file")
+  try:
+    with np.load(path, allow_pickle=False) as npz:
+      return {name: npz[name] for name in npz.files}
+  except (OSError, ValueError, EOFError) as e:
+    raise errors.DataError(f"{what}: {path!r} is not a readable .npz file "
+                           f"({type(e).__name__})") from None
 
 
-def _load_tfds(name: str, split: str):
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
-  images, labels = tfds.as_numpy(
-      tfds.load(name, split=split, batch_size=-1, as_supervised=True))
-  return images[..., 0], labels
+def arrays_source(arrays: dict, what: str = "data") -> base_task.ExampleSource:
+  """Random access over a dict of equally long arrays: `tf.gather` from host tensors.
+
+  Call eagerly: the arrays become eager tensors on the host CPU once, which every input pipeline
+  captures (by reference, not copied into its graph).
+  """
+  arrays = _check_arrays(arrays, what)
+  with tf.device("/cpu:0"):
+    tensors = {k: tf.constant(v) for k, v in arrays.items()}
+
+  def take(ids, positions):
+    del positions
+    return {k: tf.gather(v, ids) for k, v in tensors.items()}
+  return base_task.ExampleSource(num_examples=len(next(iter(arrays.values()))), take=take)
 
 
-def _synthetic(num_examples: int, split: str):
-  """Learnable generated data: a fixed prototype per class plus noise (deterministic)."""
-  prototypes = np.random.RandomState(1234).randint(0, 256, (NUM_CLASSES, 28, 28))
-  rng = np.random.RandomState({"train": 1, "test": 2}[split])
-  labels = rng.randint(0, NUM_CLASSES, num_examples)
-  noise = rng.normal(0, 60, (num_examples, 28, 28))
-  images = np.clip(prototypes[labels] + noise, 0, 255).astype(np.uint8)
-  return images, labels
+def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
+  """Random access over any object with `__len__` and `__getitem__(i) -> dict of arrays`.
+
+  Records are read in Python (`tf.numpy_function`) for each batch; their structure comes from
+  record 0.
+  """
+  size = len(indexable)
+  if size == 0:
+    raise errors.DataError(f"{what} has no records (len 0)")
+  first = indexable[0]
+  if not isinstance(first, dict):
+    raise errors.DataError(f"{what}[0] is a {type(first).__name__}; records must be dicts of "
+                           "arrays, e.g. {'image': ..., 'label': ...}")
+  first = _check_arrays({k: np.asarray(v)[None] for k, v in first.items()}, f"{what}[0]")
+  names = sorted(first)
+  dtypes = [tf.as_dtype(first[n].dtype) for n in names]
+
+  def read(ids):
+    records = [indexable[int(i)] for i in ids]
+    return [np.stack([np.asarray(r[n]) for r in records]).astype(first[n].dtype) for n in names]
+
+  def take(ids, positions):
+    del positions
+    columns = tf.numpy_function(read, [ids], dtypes, stateful=False)
+    return {n: tf.ensure_shape(c, [None] + list(first[n].shape[1:]))
+            for n, c in zip(names, columns)}
+  return base_task.ExampleSource(num_examples=size, take=take)
 
 
-def check_arrays(images: np.ndarray, labels: np.ndarray, split: str) -> None:
-  """Refuses arrays the models cannot train on, with one line naming what is wrong."""
-  if images.ndim != 3 or images.shape[1:] != (28, 28):
-    raise DataError(f"{split} images have shape {images.shape}; expected [N, 28, 28]")
-  if len(images) == 0:
-    raise DataError(f"{split} split is empty; expected at least one example")
-  if labels.shape != (len(images),):
-    raise DataError(f"{split} labels have shape {labels.shape}; expected [{len(images)}]")
-  if np.issubdtype(images.dtype, np.floating) and not np.all(np.isfinite(images)):
-    raise DataError(f"{split} images contain NaN or Inf values")
-  if labels.min() < 0 or labels.max() >= NUM_CLASSES:
-    raise DataError(f"{split} labels span [{labels.min()}, {labels.max()}]; "
-                    f"allowed: 0..{NUM_CLASSES - 1}")
+def as_source(obj: Any, what: str):
+  """A task's data (see `trainer.base_task`) as an `ExampleSource` or a `DatasetFactory`."""
+  if isinstance(obj, (base_task.ExampleSource, DatasetFactory)):
+    return obj
+  if isinstance(obj, dict):
+    return arrays_source(obj, what)
+  if isinstance(obj, (str, os.PathLike)):
+    path = os.fspath(obj)
+    if not path.endswith(".npz"):
+      raise errors.DataError(f"{what}={path!r}: a path source must be an .npz file")
+    return arrays_source(_load_npz(path, what), f"{what} ({path})")
+  if isinstance(obj, tf.data.Dataset):
+    raise errors.DataError(f"{what} is a tf.data.Dataset; return a function that builds it "
+                           "(e.g. `return lambda: dataset`) so each input pipeline makes its own")
+  if hasattr(obj, "__len__") and hasattr(obj, "__getitem__"):
+    return indexable_source(obj, what)
+  if callable(obj):
+    return DatasetFactory(obj)
+  raise errors.DataError(
+      f"{what} is a {type(obj).__name__}; allowed: dict of arrays, .npz path, an object with "
+      "__len__ and __getitem__, an ExampleSource, or a function returning a tf.data.Dataset")
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_arrays(source, data_dir, name, split, synthetic_size):
-  if source == "idx":
-    images, labels = _load_idx(data_dir, split)
-  elif source == "tfds":
-    images, labels = _load_tfds(name, split)
-  elif source == "synthetic":
-    images, labels = _synthetic(synthetic_size, split)
-  else:
-    raise DataError(f"`data.source`={source!r} unknown; allowed: idx, tfds, synthetic")
-  labels = np.asarray(labels).astype(np.int64)
-  check_arrays(images, labels, split)
-  return images, labels
+def num_examples(source) -> Optional[int]:
+  """N for random-access sources; None for tf.data factories (unknown until read)."""
+  return source.num_examples if isinstance(source, base_task.ExampleSource) else None
 
 
-def load_arrays(data_config, split: str):
-  """Returns (images uint8-like [N, 28, 28], labels int64 [N]) for `split` in {train, test}."""
-  size = (data_config.synthetic_train_examples if split == "train"
-          else data_config.synthetic_test_examples)
-  return _cached_arrays(data_config.source, data_config.dir, data_config.name, split, size)
-
-
-def shuffled_ids(positions: tf.Tensor, num_examples: int, seed: int, shuffle: bool) -> tf.Tensor:
+# --------------------------------------------------------------- the position stream ----------
+def shuffled_ids(positions: tf.Tensor, num: int, seed: int, shuffle: bool) -> tf.Tensor:
   """Maps stream positions (int64 vector) to example ids; traced inside tf.data."""
-  n = tf.constant(num_examples, tf.int64)
+  n = tf.constant(num, tf.int64)
   offsets = positions % n
   if not shuffle:
     return offsets
@@ -138,15 +187,152 @@ def replica_positions(chunk, input_context, global_batch: int):
   return start + tf.range(per_replica, dtype=tf.int64)
 
 
-def stream(input_context, global_batch: int, make_batch, start_batch: int = 0,
-           num_batches: int | None = None) -> tf.data.Dataset:
-  """Per-replica batches `make_batch(positions)` for global batches start_batch, ... (host)."""
-  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
-  stop = sys.maxsize if num_batches is None else (start_batch + num_batches) * local
-  chunks = tf.data.Dataset.range(start_batch * local, stop)
-  dataset = chunks.map(
-      lambda c: make_batch(replica_positions(c, input_context, global_batch)),
-      num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+def _with_options(dataset: tf.data.Dataset) -> tf.data.Dataset:
   options = tf.data.Options()
   options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
   return dataset.with_options(options).prefetch(tf.data.AUTOTUNE)
+
+
+def _checked(batch, what: str):
+  if not isinstance(batch, dict):
+    raise errors.DataError(f"{what} elements are {type(batch).__name__}; expected dicts of "
+                           "tensors, e.g. dataset.map(lambda x, y: {'x': x, 'y': y})")
+  if VALID_KEY in batch:
+    raise errors.DataError(f"{what} has a field named {VALID_KEY!r}, which microstep reserves")
+  return batch
+
+
+def batch_at(source: base_task.ExampleSource, positions, *, seed: int, shuffle: bool) -> dict:
+  """The training batch at these stream positions, as `train_stream` yields it.
+
+  Eager or traced. Tests and reference computations use it to rebuild an update's batch.
+  """
+  positions = tf.convert_to_tensor(positions, tf.int64)
+  ids = shuffled_ids(positions, source.num_examples, seed, shuffle)
+  batch = dict(_checked(source.take(ids, positions), "train data"))
+  batch[VALID_KEY] = tf.ones(tf.shape(positions), tf.float32)
+  return batch
+
+
+def train_stream(input_context, source: base_task.ExampleSource, global_batch: int, *,
+                 seed: int, shuffle: bool, start_batch: int = 0) -> tf.data.Dataset:
+  """Per-replica training batches of global micro-batches start_batch, ... (host)."""
+  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+
+  def make_batch(chunk):
+    positions = replica_positions(chunk, input_context, global_batch)
+    return batch_at(source, positions, seed=seed, shuffle=shuffle)
+  chunks = tf.data.Dataset.range(start_batch * local, sys.maxsize)
+  return _with_options(chunks.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                                  deterministic=True))
+
+
+def eval_stream(input_context, source: base_task.ExampleSource, global_batch: int,
+                num_batches: Optional[int] = None) -> tf.data.Dataset:
+  """Per-replica batches visiting examples 0..N-1 once, padded with VALID_KEY = 0 (host).
+
+  `num_batches` global batches (default: enough to cover the source once).
+  """
+  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  steps = eval_steps(source, global_batch) if num_batches is None else num_batches
+
+  def make_batch(chunk):
+    positions = replica_positions(chunk, input_context, global_batch)
+    valid = positions < source.num_examples
+    ids = tf.minimum(positions, source.num_examples - 1)
+    batch = dict(_checked(source.take(ids, positions), "eval data"))
+    batch[VALID_KEY] = tf.cast(valid, tf.float32)
+    return batch
+  chunks = tf.data.Dataset.range(0, steps * local)
+  return _with_options(chunks.map(make_batch, num_parallel_calls=tf.data.AUTOTUNE,
+                                  deterministic=True))
+
+
+def eval_steps(source, global_batch: int) -> int:
+  """Batches that cover a random-access source once; -1 (until exhausted) for tf.data."""
+  size = num_examples(source)
+  return -1 if size is None else -(-size // global_batch)
+
+
+# ---------------------------------------------------------------- tf.data factories -----------
+def _mark_valid(batch):
+  batch = dict(_checked(batch, "tf.data source"))
+  size = tf.shape(tf.nest.flatten(batch)[0])[0]
+  batch[VALID_KEY] = tf.ones([size], tf.float32)
+  return batch
+
+
+def factory_train_stream(input_context, factory: DatasetFactory, global_batch: int, *,
+                         skip_batches: int = 0) -> tf.data.Dataset:
+  """Per-replica training batches from a tf.data factory: repeated, full batches (host).
+
+  `skip_batches` global micro-batches are dropped first (resume without a stored iterator).
+  """
+  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  per_replica = input_context.get_per_replica_batch_size(global_batch)
+  dataset = factory.dataset(input_context).repeat().batch(per_replica, drop_remainder=True)
+  dataset = dataset.map(_mark_valid, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+  if skip_batches:
+    dataset = dataset.skip(skip_batches * local)
+  return _with_options(dataset)
+
+
+def _pad_to(batch, size: int):
+  """Pads every field of a (possibly short) batch to `size` rows; padded rows are invalid."""
+  def pad(t):
+    missing = size - tf.shape(t)[0]
+    padding = [[0, missing]] + [[0, 0]] * (t.shape.rank - 1)
+    return tf.ensure_shape(tf.pad(t, padding), [size] + t.shape[1:])
+  return {k: pad(v) for k, v in batch.items()}
+
+
+def factory_eval_stream(input_context, factory: DatasetFactory,
+                        global_batch: int) -> tf.data.Dataset:
+  """Per-replica evaluation batches from a tf.data factory, one pass, padded (host).
+
+  The last batch is padded to full size (VALID_KEY 0), and all-padding batches are appended so
+  that every local replica gets a batch at every step.
+  """
+  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  per_replica = input_context.get_per_replica_batch_size(global_batch)
+  batches = factory.dataset(input_context).batch(per_replica).map(
+      lambda b: _pad_to(_mark_valid(b), per_replica))
+  if local > 1:
+    empty = batches.take(1).map(
+        lambda b: {k: (tf.zeros_like(v) if k == VALID_KEY else v) for k, v in b.items()})
+    batches = (batches.concatenate(empty.repeat(local - 1))
+               .batch(local, drop_remainder=True).unbatch())
+  return _with_options(batches)
+
+
+class HostIterator:
+  """One worker's training input as ONE plain tf.data iterator, which a checkpoint can hold.
+
+  TensorFlow's distributed iterators cannot be checkpointed (they are not trackable,
+  tensorflow#56372; MultiDeviceIterator keeps no saveable state). This iterator reads the
+  worker's per-replica batches from an ordinary `tf.data` iterator on the host, `local` replicas'
+  batches at a time, and hands each local replica its slice through
+  `strategy.experimental_distribute_values_from_function`. `next()` runs traced, in cross-replica
+  context (the Orbit train step); `checkpointable` is what `tf.train.Checkpoint` saves. The cost:
+  no prefetching onto accelerators, so the batch is copied to each device inside the step.
+  """
+
+  def __init__(self, strategy, dataset_fn, *, num_workers: int, worker_id: int):
+    replicas = strategy.num_replicas_in_sync
+    self._local = replicas // num_workers
+    self._strategy = strategy
+    context = tf.distribute.InputContext(num_input_pipelines=num_workers,
+                                         input_pipeline_id=worker_id,
+                                         num_replicas_in_sync=replicas)
+    with tf.device("/cpu:0"):
+      self.checkpointable = iter(dataset_fn(context).batch(self._local, drop_remainder=True))
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    stacked = next(self.checkpointable)
+    local = self._local
+    return self._strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.nest.map_structure(lambda t: t[ctx.replica_id_in_sync_group % local],
+                                          stacked))

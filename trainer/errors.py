@@ -1,8 +1,24 @@
 """Errors that the command line turns into one line on stderr and exit code 2.
 
-Kept free of other trainer imports so that any module can raise them without import cycles.
+Kept free of other trainer imports so that any module (and any user task) can raise them without
+import cycles. `MicrostepError.ag_pass_through` asks AutoGraph to let these errors through
+unchanged when they are raised while a tf.function is traced (it would otherwise wrap them in a
+multi-line `StagingError`).
 """
 
 
-class ConfigError(ValueError):
+class MicrostepError(ValueError):
+  """Base: a one-line message for the user; raised eagerly or while tracing."""
+  ag_pass_through = True
+
+
+class ConfigError(MicrostepError):
   """A config field (or the workdir, or the cluster environment) cannot be run with."""
+
+
+class DataError(MicrostepError):
+  """Bad or missing input data; the message is one line naming what is wrong."""
+
+
+class TaskError(MicrostepError):
+  """A task broke the `trainer.base_task` contract (e.g. a loss of the wrong shape)."""

@@ -5,9 +5,12 @@
       eval_step(iterator) x num_steps   # traced; replica context adds local Σ w·loss, Σ w, Σ w·metric
       eval_end()                        # eager: one cross-replica read (SUM), then ratios
 Padding examples of the last batch carry weight 0, so the whole split counts exactly once.
+A tf.data source without a known length is evaluated until it is exhausted (`num_steps=-1`).
 """
 import orbit
 import tensorflow as tf
+
+from trainer import base_task
 
 
 class Evaluator(orbit.StandardEvaluator):
@@ -29,10 +32,12 @@ class Evaluator(orbit.StandardEvaluator):
   def eval_step(self, iterator):
     """Cross-replica context (traced); the replica function only adds local sums."""
     def step(batch):
-      out = self.task.per_example_loss(self.model, batch, training=False)
-      metrics = [tf.reduce_sum(out.metrics[n] * out.weight) for n in self.task.metric_names]
+      loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
+                                                         training=False)
+      counted = weight > 0  # Padding rows may hold anything; they must not poison the sums.
+      weighted = lambda v: tf.reduce_sum(tf.where(counted, v * weight, 0.0))
       self.sums.assign_add(tf.stack(
-          [tf.reduce_sum(out.loss * out.weight), tf.reduce_sum(out.weight)] + metrics))
+          [weighted(loss), tf.reduce_sum(weight)] + [weighted(m) for m in metrics]))
     self.strategy.run(step, args=(next(iterator),))
 
   def eval_end(self):

@@ -30,6 +30,7 @@ import orbit
 import tensorflow as tf
 
 from trainer import accumulation
+from trainer import base_task
 from trainer import optimizers
 from trainer import per_example_summaries
 from trainer import replica_state
@@ -170,9 +171,10 @@ class Trainer(orbit.StandardTrainer):
     """This replica's gradient of Σ w·loss (scaled if fp16) and its scalar sums; no communication."""
     variables = self.model.trainable_variables
     with tf.GradientTape() as tape, self._state.watching():
-      out = self.task.per_example_loss(self.model, batch, training=True)
-      weight_sum = tf.reduce_sum(out.weight)
-      loss_sum = tf.reduce_sum(out.loss * out.weight)
+      loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
+                                                         training=True)
+      weight_sum = tf.reduce_sum(weight)
+      loss_sum = tf.reduce_sum(loss * weight)
       objective = loss_sum
       if self.model.losses:  # Regularisers: weighted so that the update sees them exactly once.
         objective += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * weight_sum
@@ -180,8 +182,8 @@ class Trainer(orbit.StandardTrainer):
         objective *= self.loss_scale
     grads = tape.gradient(objective, variables)
     grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
-    metrics = [tf.reduce_sum(out.metrics[n] * out.weight) for n in self.task.metric_names]
-    return grads, tf.stack([loss_sum, weight_sum] + metrics)
+    metric_sums = [tf.reduce_sum(m * weight) for m in metrics]
+    return grads, tf.stack([loss_sum, weight_sum] + metric_sums)
 
   def micro_step(self, batch):
     """Adds this replica's sums into its SyncOnRead buffers (replica context, local only)."""
@@ -275,11 +277,11 @@ class Trainer(orbit.StandardTrainer):
       output[name] = sums[2 + i] / weight
     if self.loss_scale is not None:
       output["loss_scale"] = float(self.loss_scale.numpy())
-    metric = self.task.metric_names[0]
-    logging.info("train step %d/%d | loss %.4f | %s %.4f | %.1f steps/s | %.0f examples/s | "
+    shown = "".join(f" | {name} {output[name]:.4f}" for name in self.task.metric_names[:1])
+    logging.info("train step %d/%d | loss %.4f%s | %.1f steps/s | %.0f examples/s | "
                  "ETA %ds | lr %.3g | skipped %d", step, self.config.train_steps, output["loss"],
-                 metric, output[metric], steps_per_s, examples_per_s, eta,
-                 output["learning_rate"], output["skipped_updates"])
+                 shown, steps_per_s, examples_per_s, eta, output["learning_rate"],
+                 output["skipped_updates"])
     limit = int(self.config.max_consecutive_skips)
     if limit and int(self.consecutive_skips.numpy()) >= limit:
       raise FloatingPointError(

@@ -14,6 +14,7 @@ weights it sees are those before the update; with k > 1 the other micro-batches 
 """
 import tensorflow as tf
 
+from trainer import base_task
 from trainer import grad_stats
 from trainer import per_example
 from trainer import update
@@ -25,7 +26,7 @@ HISTOGRAMS = ("norms", "cosines")
 def replica_statistics_fn(task, model, chunk_size: int):
   """The replica function: `local batch -> {name: tensor}` (replica context, traced)."""
   def replica_fn(local_batch):
-    loss_fn = lambda m, b: task.per_example_loss(m, b, training=True).loss
+    loss_fn = lambda m, b: base_task.weighted_outputs(task, m, b, training=True)[0]
     grads = per_example.per_example_gradients(model, loss_fn, local_batch, chunk_size=chunk_size)
     stats = grad_stats.replica_statistics(grads, model.trainable_variables)
     return {name: stats[name] for name in SCALARS + HISTOGRAMS}

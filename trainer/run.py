@@ -1,11 +1,12 @@
-"""`run(config, workdir)`: build everything, restore, then drive the Orbit Controller.
+"""`run(config, workdir, task=None)`: build everything, restore, then drive the Orbit Controller.
 
-Phases (eager, host): validate -> strategy -> data -> model & optimizer -> trainer & evaluator ->
-checkpoint restore -> datasets positioned after the restored step -> Controller -> mode.
+Phases (eager, host): validate -> strategy -> task and its data -> model & optimizer -> trainer
+-> checkpoint restore -> datasets positioned after the restored update -> evaluator ->
+Controller -> mode. The runner knows no dataset: everything about the data comes from the task
+(`trainer.base_task`) through `trainer.data`.
 """
 import contextlib
 import json
-import math
 import os
 import shutil
 
@@ -14,7 +15,10 @@ import keras
 import orbit
 import tensorflow as tf
 
+from trainer import checkpointing
 from trainer import data
+from trainer import errors
+from trainer import export
 from trainer import optimizers
 from trainer import orbit_evaluator
 from trainer import orbit_trainer
@@ -34,27 +38,57 @@ def _check_workdir(workdir: str) -> None:
       f.write("ok")
     os.remove(probe)
   except OSError as e:
-    raise validation.ConfigError(f"`--workdir`={workdir!r} is not writable: {e.strerror}") from None
+    raise errors.ConfigError(f"`--workdir`={workdir!r} is not writable: {e.strerror}") from None
 
 
-def _is_chief(strategy) -> tuple[bool, int]:
+def is_chief(strategy) -> tuple[bool, int]:
+  """(whether this process writes the run's files, its worker index); eager."""
   resolver = getattr(strategy, "cluster_resolver", None)
   if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
     return True, 0
   task_type, task_id = resolver.task_type, resolver.task_id or 0
   has_chief_task = "chief" in resolver.cluster_spec().as_dict()
-  is_chief = task_type in (None, "chief") or (
+  chief = task_type in (None, "chief") or (
       task_type == "worker" and task_id == 0 and not has_chief_task)
-  return is_chief, task_id
+  return chief, task_id
 
 
-def _distribute(strategy, global_batch, make_batch, start_batch=0, num_batches=None):
-  return strategy.distribute_datasets_from_function(
-      lambda ctx: data.stream(ctx, global_batch, make_batch, start_batch, num_batches))
+def _resume_iterator(config, strategy) -> bool:
+  """Whether a tf.data source resumes by restoring its iterator (else by skipping batches)."""
+  if config.data.resume != "auto":
+    return config.data.resume == "iterator"
+  return not isinstance(strategy, tf.distribute.TPUStrategy)
 
 
-def build(config, workdir):
-  """Builds strategy, task, trainer, evaluator and checkpoint manager; restores (eager)."""
+def _train_dataset(config, strategy, source, start: int):
+  """Distributed training batches from micro-batch `start` on (random access or skip)."""
+  def dataset_fn(ctx):
+    if isinstance(source, data.DatasetFactory):
+      return data.factory_train_stream(ctx, source, config.batch_size, skip_batches=start)
+    return data.train_stream(ctx, source, config.batch_size, seed=config.seed,
+                             shuffle=config.data.shuffle, start_batch=start)
+  return strategy.distribute_datasets_from_function(dataset_fn)
+
+
+def _eval_dataset(config, strategy, source):
+  steps = data.eval_steps(source, config.eval_batch_size)
+  if config.eval_steps > 0:
+    steps = config.eval_steps if steps == -1 else min(steps, config.eval_steps)
+
+  def dataset_fn(ctx):
+    if isinstance(source, data.DatasetFactory):
+      dataset = data.factory_eval_stream(ctx, source, config.eval_batch_size)
+      return dataset if steps == -1 else dataset.take(steps * (
+          ctx.num_replicas_in_sync // ctx.num_input_pipelines))
+    return data.eval_stream(ctx, source, config.eval_batch_size, num_batches=steps)
+  return strategy.distribute_datasets_from_function(dataset_fn), steps
+
+
+def build(config, workdir, task=None):
+  """Builds strategy, task, trainer, evaluator and checkpoint manager; restores (eager).
+
+  Returns (strategy, trainer, evaluator or None, checkpoint manager, eval steps).
+  """
   validation.validate(config)
   _check_workdir(workdir)
   if config.deterministic:
@@ -62,56 +96,80 @@ def build(config, workdir):
   keras.utils.set_random_seed(config.seed)
   strategy = strategies.create_strategy(config)
   validation.validate_replicas(config, strategy.num_replicas_in_sync)
-  task = tasks.create_task(config)
-  train_batch, eval_batch = task.batch_fn("train"), task.batch_fn("test")  # Fails early on bad data.
-  is_chief, worker_id = _is_chief(strategy)
-  num_train = len(data.load_arrays(config.data, "train")[1])
-  if config.batch_size // strategy.num_replicas_in_sync > num_train:
-    raise validation.ConfigError(
+  task = task if task is not None else tasks.create_task(config)
+  train_source = data.as_source(task.train_data(), "train_data()")
+  eval_data = task.eval_data()
+  eval_source = None if eval_data is None else data.as_source(eval_data, "eval_data()")
+  num_train = data.num_examples(train_source)
+  if num_train is not None and config.batch_size // strategy.num_replicas_in_sync > num_train:
+    raise errors.ConfigError(
         f"`batch_size`={config.batch_size} gives each replica more examples than the "
-        f"{num_train} of the training split; allowed: at most {num_train} per replica")
+        f"{num_train} of the training data; allowed: at most {num_train} per replica")
+  chief, worker_id = is_chief(strategy)
   with strategy.scope():
     model = task.build_model()
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
   checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
-  chief_dir = os.path.join(workdir, "checkpoints")
-  own_dir = chief_dir if is_chief else os.path.join(workdir, f"tmp_worker_{worker_id}")
-  if not is_chief and tf.io.gfile.exists(own_dir):
-    tf.io.gfile.rmtree(own_dir)  # Non-chief copies are scratch: always restore from the chief's.
-  manager = tf.train.CheckpointManager(
-      checkpoint, own_dir, max_to_keep=config.keep_checkpoints if is_chief else 1,
-      step_counter=trainer.global_step, checkpoint_interval=config.checkpoint_every)
-  latest = tf.train.latest_checkpoint(chief_dir)
+  latest = tf.train.latest_checkpoint(checkpointing.checkpoint_dir(workdir))
   if latest:  # Before the datasets exist: they start at the restored data position. (The
     # Controller restores the same checkpoint again on the chief; that is harmless.)
     try:
       with strategy.scope():
         checkpoint.restore(latest).assert_existing_objects_matched()
     except (AssertionError, ValueError) as e:
-      raise validation.ConfigError(
+      raise errors.ConfigError(
           f"the checkpoint {latest} does not match this config (model, optimizer or "
           f"mixed_precision changed?); use a fresh `--workdir` ({type(e).__name__})") from None
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
-  if is_chief:  # Only once the workdir is known to fit this config.
+  if chief:  # Only once the workdir is known to fit this config.
     with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
+
   start = int(trainer.micro_batches_seen.numpy())
-  trainer.train_dataset = _distribute(strategy, config.batch_size, train_batch, start_batch=start)
-  num_test = len(data.load_arrays(config.data, "test")[1])
-  eval_steps = (math.ceil(num_test / config.eval_batch_size) if config.eval_steps == -1
-                else config.eval_steps)
-  evaluator = orbit_evaluator.Evaluator(
-      strategy=strategy, task=task, model=model,
-      eval_dataset=_distribute(strategy, config.eval_batch_size, eval_batch, 0, eval_steps))
+  iterator = None
+  if isinstance(train_source, data.DatasetFactory) and _resume_iterator(config, strategy):
+    num_workers = strategies.num_workers(strategy)
+    make = lambda skip: data.HostIterator(
+        strategy, lambda ctx: data.factory_train_stream(ctx, train_source, config.batch_size,
+                                                        skip_batches=skip),
+        num_workers=num_workers, worker_id=worker_id)
+    iterator = make(0)
+    step = int(trainer.global_step.numpy())
+    if latest and not checkpointing.restore_data_state(iterator.checkpointable, workdir,
+                                                       worker_id, step):
+      logging.warning("no input iterator saved at update %d: skipping the %d micro-batches "
+                      "already consumed instead", step, start)
+      iterator = make(start)
+    trainer.train_dataset = iterator  # Orbit calls iter() on it: an iterator returns itself.
+  else:
+    if isinstance(train_source, data.DatasetFactory) and start:
+      logging.warning("tf.data source on %s: resuming by skipping the %d micro-batches already "
+                      "consumed (no iterator checkpoints here)", type(strategy).__name__, start)
+    trainer.train_dataset = _train_dataset(config, strategy, train_source, start)
+  manager = checkpointing.create_manager(
+      checkpoint, workdir, is_chief=chief, worker_id=worker_id,
+      step_counter=trainer.global_step, config=config,
+      data_iterator=None if iterator is None else iterator.checkpointable)
+  evaluator, eval_steps = None, 0
+  if eval_source is not None:
+    eval_dataset, eval_steps = _eval_dataset(config, strategy, eval_source)
+    evaluator = orbit_evaluator.Evaluator(strategy=strategy, task=task, model=model,
+                                          eval_dataset=eval_dataset)
   return strategy, trainer, evaluator, manager, eval_steps
 
 
-def run(config, workdir: str) -> dict:
-  """Trains and/or evaluates as `config.mode` says; returns the last outputs (eager, host)."""
-  strategy, trainer, evaluator, manager, eval_steps = build(config, workdir)
-  is_chief = _is_chief(strategy)[0]
+def run(config, workdir: str, task=None) -> dict:
+  """Trains, evaluates and/or exports as `config.mode` says; returns the last outputs (eager).
+
+  `task`: a `trainer.base_task.Task` instance to use instead of `config.task` (notebooks).
+  """
+  strategy, trainer, evaluator, manager, eval_steps = build(config, workdir, task)
+  chief = is_chief(strategy)[0]
+  if config.mode in ("eval", "continuous_eval") and evaluator is None:
+    raise errors.ConfigError(f"`mode`={config.mode} but the task's eval_data() is None; "
+                             "allowed: train, export")
   summaries = os.path.join(workdir, "summaries")
   watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step)
   controller = orbit.Controller(
@@ -124,14 +182,14 @@ def run(config, workdir: str) -> dict:
   training = config.mode in ("train", "train_and_eval")
   with watcher.installed() if training else contextlib.nullcontext():
     try:
-      if config.mode == "train":
+      if config.mode == "train" or (config.mode == "train_and_eval" and evaluator is None):
         controller.train(steps=config.train_steps)
       elif config.mode == "eval":
         result["eval"] = controller.evaluate(steps=eval_steps)
       elif config.mode == "train_and_eval":
         result["eval"] = controller.train_and_evaluate(
             train_steps=config.train_steps, eval_steps=eval_steps, eval_interval=config.eval_every)
-      else:
+      elif config.mode == "continuous_eval":
         result["eval"] = controller.evaluate_continuously(steps=eval_steps,
                                                           timeout=config.eval_timeout_s)
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
@@ -139,10 +197,13 @@ def run(config, workdir: str) -> dict:
       raise preemption.PeerLostError(
           f"a multi-worker peer stopped answering ({type(e).__name__}); restart all workers to "
           f"resume from the last checkpoint") from e
-  result["global_step"] = int(trainer.global_step.numpy())
+  step = int(trainer.global_step.numpy())
+  if chief and (config.mode == "export" or (training and config.export_at_end)):
+    result["export"] = export.export_model(trainer.task, trainer.model, workdir, step)
+  result["global_step"] = step
   result["skipped_updates"] = int(trainer.skipped_updates.numpy())
   result = json.loads(json.dumps(result, default=float))
-  if is_chief:
+  if chief:
     with tf.io.gfile.GFile(os.path.join(workdir, "result.json"), "w") as f:
       json.dump(result, f, indent=2)
   else:

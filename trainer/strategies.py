@@ -150,6 +150,15 @@ def device_kind(strategy) -> str:
   return "gpu" if devices and all("GPU" in d.upper() for d in devices) else "cpu"
 
 
+def num_workers(strategy) -> int:
+  """Worker processes of a MultiWorkerMirroredStrategy cluster (chief included); else 1."""
+  resolver = getattr(strategy, "cluster_resolver", None)
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
+    return 1
+  spec = resolver.cluster_spec().as_dict()
+  return max(len(spec.get("worker", [])) + len(spec.get("chief", [])), 1)
+
+
 def create_strategy(config) -> tf.distribute.Strategy:
   """Builds the strategy named by `config.strategy` (eager, host)."""
   name = config.strategy

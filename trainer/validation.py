@@ -4,14 +4,11 @@
 `validate_replicas(config, num_replicas)` runs right after the strategy is built.
 """
 from trainer import errors
-from trainer import models
 from trainer import optimizers
 from trainer import strategies
-from trainer import tasks
 
-MODES = ("train", "eval", "train_and_eval", "continuous_eval")
+MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
-SOURCES = ("idx", "tfds", "synthetic")
 
 
 ConfigError = errors.ConfigError
@@ -40,11 +37,12 @@ def _number(config, field, minimum, integer=True, strict=False):
 def validate(config) -> None:
   """Raises ConfigError for the first bad field."""
   _choice(config, "strategy", strategies.STRATEGIES)
-  _choice(config, "task", tasks.TASKS)
-  _choice(config, "model", models.MODELS)
+  if not isinstance(config.task, str) or not config.task:
+    raise ConfigError(f"`task`={config.task!r} must be a built-in task name or an import path "
+                      "`package.module:ClassName`")
   _choice(config, "mixed_precision", PRECISIONS)
   _choice(config, "mode", MODES)
-  _choice(config, "data.source", SOURCES)
+  _choice(config, "data.resume", ("auto", "iterator", "skip"))
   _choice(config, "optimizer.name", optimizers.OPTIMIZERS)
   _choice(config, "optimizer.decay", ("constant", "cosine"))
   _choice(config, "accumulation.batchnorm", ("error", "per_micro_batch"))
@@ -71,10 +69,7 @@ def validate(config) -> None:
                       f"not {config.strategy!r}")
   if config.strategy == "tpu" and not config.tpu_address:
     raise ConfigError("`tpu_address` is empty; `strategy`=tpu needs `local` (TPU VM) or a TPU name")
-  if config.model.startswith("vgg") and config.data.image_size % 32:
-    raise ConfigError(f"`data.image_size`={config.data.image_size} must be a multiple of 32 for "
-                      f"`model`={config.model} (five 2x2 poolings)")
-  _number(config, "data.image_size", 8)
+  _number(config, "data.image_size", 1)
   for field in ("loss_scale.growth_interval", "triplet.embedding_dim",
                 "data.synthetic_train_examples", "data.synthetic_test_examples"):
     _number(config, field, 1)
@@ -88,9 +83,9 @@ def validate(config) -> None:
   if config.summary_every and config.summary_every % config.steps_per_loop:
     raise ConfigError(f"`summary_every`={config.summary_every} must be a multiple of "
                       f"`steps_per_loop`={config.steps_per_loop}")
-  if config.per_example.every_steps and config.task != "classification":
-    raise ConfigError(f"`per_example.every_steps` needs `task`=classification (a {config.task} "
-                      "example spans several forward rows); set it to 0")
+  if config.per_example.every_steps and config.task == "triplet":
+    raise ConfigError("`per_example.every_steps` needs one model row per example; `task`=triplet "
+                      "stacks three (anchor, positive, negative); set it to 0")
   if config.cpu_replicas:
     validate_replicas(config, config.cpu_replicas)
 

@@ -53,7 +53,8 @@ def _ours(k):
 def _keras(k, run_eagerly):
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from trainer import models, strategies  # pylint: disable=g-import-not-at-top
+  from trainer import strategies  # pylint: disable=g-import-not-at-top
+  from trainer.tasks import models  # pylint: disable=g-import-not-at-top
   config = _config(k)
   strategy = strategies.create_strategy(config)
   x = tf.random.uniform((config.batch_size * k, 28, 28, 1))

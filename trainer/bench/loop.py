@@ -49,10 +49,12 @@ def _config():
 def _keras_side(config):
   import keras  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from trainer import data, models, strategies  # pylint: disable=g-import-not-at-top
+  from trainer import strategies  # pylint: disable=g-import-not-at-top
+  from trainer.tasks import fashion_mnist, models  # pylint: disable=g-import-not-at-top
   keras.utils.set_random_seed(config.seed)
   strategy = strategies.create_strategy(config)
-  (x, y), (xt, yt) = data.load_arrays(config.data, "train"), data.load_arrays(config.data, "test")
+  (x, y), (xt, yt) = (fashion_mnist.load_arrays(config.data, "train"),
+                      fashion_mnist.load_arrays(config.data, "test"))
   prep = lambda a: (a[..., None] / 255.0).astype("float32")
   train = (tf.data.Dataset.from_tensor_slices((prep(x), y)).shuffle(60000, seed=config.seed)
            .repeat().batch(config.batch_size, drop_remainder=True).prefetch(tf.data.AUTOTUNE))

@@ -21,7 +21,7 @@ from absl import flags
 from trainer.bench import util as bench_util
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "vgg16", "Model name from trainer.models.")
+flags.DEFINE_string("model", "vgg16", "Model name from trainer.tasks.models.")
 flags.DEFINE_integer("image_size", 64, "Input side (multiple of 32 for VGG).")
 flags.DEFINE_integer("b", 8, "Micro-batch size.")
 flags.DEFINE_integer("k", 8, "Micro-steps per update.")

@@ -1,0 +1,76 @@
+"""Tasks written the way a user writes them, for the tests (imported by path, e.g. from the CLI).
+
+`Streamed` reads through a tf.data factory (the streaming path): generated features, shuffled with
+a fixed seed, mapped; it resumes by restoring the input iterator. `NoMetrics` has no metrics and
+dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError.
+"""
+import keras
+import numpy as np
+import tensorflow as tf
+
+from trainer import base_task
+
+
+def _arrays(n, seed):
+  rng = np.random.RandomState(seed)
+  x = rng.normal(size=(n, 12)).astype(np.float32)
+  y = (x[:, :3].sum(1) > 0).astype(np.int64)
+  return {"x": x, "y": y}
+
+
+def _mlp():
+  return keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"),
+                           keras.layers.Dense(2)])
+
+
+def _xent(model, batch, training):
+  logits = model(batch["x"], training=training)
+  return tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits), logits
+
+
+class Streamed(base_task.Task):
+  metric_names = ("accuracy",)
+
+  def build_model(self):
+    return _mlp()
+
+  def train_data(self):
+    arrays = _arrays(300, 1)
+
+    def make():  # A user's tf.data pipeline: shuffle buffer and a map, seeded.
+      dataset = tf.data.Dataset.from_tensor_slices(arrays).shuffle(64, seed=3)
+      return dataset.map(lambda e: {"x": e["x"] * 2.0, "y": e["y"]})
+    return make
+
+  def eval_data(self):
+    arrays = _arrays(50, 2)
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays)
+
+  def per_example_loss(self, model, batch, training):
+    loss, logits = _xent(model, batch, training)
+    correct = tf.cast(tf.argmax(logits, -1) == batch["y"], tf.float32)
+    return base_task.LossOutput(loss=loss, metrics={"accuracy": correct})
+
+
+class NoMetrics(base_task.Task):
+  def build_model(self):
+    return _mlp()
+
+  def train_data(self):
+    return _arrays(200, 1)
+
+  def eval_data(self):
+    return _arrays(40, 2)
+
+  def per_example_loss(self, model, batch, training):
+    return base_task.LossOutput(loss=_xent(model, batch, training)[0])
+
+
+class BadLoss(NoMetrics):
+  def per_example_loss(self, model, batch, training):
+    return base_task.LossOutput(loss=_xent(model, batch, training)[0][:, None])
+
+
+class BadData(NoMetrics):
+  def train_data(self):
+    raise base_task.DataError("my_records.tfrecord: field `label` has 11 classes, expected 10")

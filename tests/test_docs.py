@@ -1,0 +1,65 @@
+"""docs/tasks.md's worked example runs verbatim, from a directory outside the repository.
+
+Every ```python block whose first line is `# file: NAME` is written to NAME in a temporary
+directory; every ```sh block whose first line is `# run:` is run there with bash, `$WORKDIR` set
+and `python` being this interpreter. Readers copy this example: it must never rot.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import helpers
+
+_BLOCK = re.compile(r"```(python|sh)\n(.*?)```", re.DOTALL)
+
+
+def _blocks(path):
+  with open(path) as f:
+    text = f.read()
+  files, commands = {}, []
+  for kind, body in _BLOCK.findall(text):
+    first, _, rest = body.partition("\n")
+    if kind == "python" and first.startswith("# file: "):
+      files[first[len("# file: "):].strip()] = body
+    elif kind == "sh" and first.startswith("# run:"):
+      commands.append(rest)
+  return files, commands
+
+
+def test_tasks_md_worked_example_runs_verbatim(tmp_path):
+  files, commands = _blocks(os.path.join(helpers.REPO, "docs", "tasks.md"))
+  assert set(files) == {"my_task.py", "my_config.py"} and len(commands) == 1
+  project = tmp_path / "project"
+  project.mkdir()
+  for name, body in files.items():
+    (project / name).write_text(body)
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  shim = bin_dir / "python"  # A script, not a symlink: a venv is found from the invoked path.
+  shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+  shim.chmod(0o755)
+  workdir = tmp_path / "workdir"
+  env = dict(os.environ, WORKDIR=str(workdir), TF_CPP_MIN_LOG_LEVEL="2",
+             PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+             PYTHONPATH=helpers.REPO)  # This checkout, as `pip install -e .` would give.
+  done = subprocess.run(["timeout", "-k", "5", "600", "bash", "-euc", commands[0]], cwd=project,
+                        env=env, capture_output=True, text=True, timeout=620, check=False)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "train step 80/80" in done.stderr
+  result = json.loads((workdir / "result.json").read_text())
+  assert result["global_step"] == 80 and result["skipped_updates"] == 0
+  assert result["eval"]["examples"] == 512.0
+  assert result["eval"]["accuracy"] > 0.9, result  # The task is learnable in 80 updates.
+  config = json.loads((workdir / "config.json").read_text())
+  assert (config["strategy"], config["cpu_replicas"], config["accumulation"]["steps"]) == (
+      "mirrored", 2, 4)
+  served = tf.saved_model.load(result["export"])
+  tokens = np.full((2, 16), 9, np.int32)
+  tokens[0, 3] = 7
+  logits = served.serve(tf.constant(tokens)).numpy()
+  assert logits.shape == (2, 2) and logits[0].argmax() == 1 and logits[1].argmax() == 0

@@ -1,0 +1,199 @@
+"""Bring your own model, data and loss (issue 9): the public Task API end to end.
+
+Tasks live in tests/example_tasks.py, written the way a user writes them, and are selected by
+import path. CLI runs go through `helpers.run_cli` (a subprocess under `timeout -k`).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import example_tasks
+import helpers
+from trainer import data
+from trainer import errors
+from trainer import run
+
+FAST = ("train_steps=6", "steps_per_loop=2", "checkpoint_every=2", "eval_every=6",
+        "deterministic=True", "export_at_end=False")
+
+
+# ------------------------------------------------------------------------- data sources -------
+def test_every_random_access_source_gives_the_same_batches(tmp_path):
+  arrays = example_tasks._arrays(40, 1)  # pylint: disable=protected-access
+  np.savez(tmp_path / "mine.npz", **arrays)
+  records = [{k: v[i] for k, v in arrays.items()} for i in range(40)]
+  sources = {"dict": arrays, "npz": str(tmp_path / "mine.npz"), "indexable": records,
+             "example_source": data.arrays_source(arrays)}
+  positions = tf.range(30, 60, dtype=tf.int64)  # Spans the end of epoch 0 and epoch 1.
+  batches = {name: data.batch_at(data.as_source(s, name), positions, seed=5, shuffle=True)
+             for name, s in sources.items()}
+  for name, batch in batches.items():
+    assert set(batch) == {"x", "y", data.VALID_KEY}, name
+    for key in ("x", "y"):
+      np.testing.assert_array_equal(batch[key], batches["dict"][key], err_msg=name)
+  epoch1 = np.asarray(batches["dict"]["y"][10:])  # Positions 40..59: a permutation of epoch 1.
+  assert len(epoch1) == 20
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"x": np.zeros((3, 2)), "y": np.zeros(4)}, "must share one leading dimension"),
+    ({"x": np.array([[np.nan]])}, "contains NaN or Inf"),
+    ({}, "empty dict"),
+    (tf.data.Dataset.range(3), "return a function that builds it"),
+    (42, "allowed: dict of arrays, .npz path"),
+    ("/nonexistent/file.npz", "is not a file"),
+    ([(1, 2)], "records must be dicts"),
+])
+def test_bad_sources_are_one_line(bad, message):
+  with pytest.raises(errors.DataError, match=message) as error:
+    data.as_source(bad, "train_data()")
+  assert "\n" not in str(error.value)
+
+
+def test_tf_data_eval_pads_and_covers_every_example_once():
+  factory = data.DatasetFactory(lambda: tf.data.Dataset.from_tensor_slices(
+      {"x": tf.range(10, dtype=tf.float32)}))
+  ctx = tf.distribute.InputContext(num_replicas_in_sync=2)
+  batches = list(data.factory_eval_stream(ctx, factory, global_batch=8))
+  assert len(batches) % 2 == 0, "every local replica gets a batch at every step"
+  valid = np.concatenate([b[data.VALID_KEY].numpy() for b in batches])
+  xs = np.concatenate([b["x"].numpy() for b in batches])
+  assert valid.sum() == 10 and sorted(xs[valid == 1]) == list(range(10))
+
+
+# --------------------------------------------------------------------------- the tasks --------
+def test_task_from_outside_the_package_trains_through_the_cli(tmp_path):
+  outside = tmp_path / "project"
+  outside.mkdir()
+  (outside / "my_pkg_task.py").write_text(
+      "from example_tasks import NoMetrics\n\nclass Mine(NoMetrics):\n  pass\n")
+  out = helpers.run_cli(tmp_path / "w", "configs/fashion_mnist.py:smoke",
+                        "task=my_pkg_task:Mine", "train_steps=4", cwd=outside)
+  assert out.returncode == 0, out.stderr[-2000:]
+  result = json.loads((tmp_path / "w" / "result.json").read_text())
+  assert result["global_step"] == 4 and "loss" in result["eval"]
+  assert "accuracy" not in result["eval"], "no metrics: only the loss and the example count"
+  assert "train step 4/4 | loss" in out.stderr
+
+
+def test_a_task_with_no_metrics_trains_evaluates_and_logs(tmp_path):
+  config = helpers.tiny_config(**{"task": "example_tasks:NoMetrics", "train_steps": 4,
+                                  "steps_per_loop": 2, "eval_every": 4})
+  result = run.run(config, str(tmp_path))
+  assert result["global_step"] == 4
+  assert result["eval"]["examples"] == 40.0
+
+
+def test_trainer_train_takes_a_task_instance(tmp_path):
+  import trainer  # pylint: disable=g-import-not-at-top
+  config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "eval_every": 2})
+  result = trainer.train(config, str(tmp_path), task=example_tasks.NoMetrics(config))
+  assert result["global_step"] == 2
+
+
+@pytest.mark.parametrize("task,code,message", [
+    ("example_tasks:BadLoss", 2, "loss has shape (32, 1); expected one value per example"),
+    ("example_tasks:BadData", 2, "my_records.tfrecord: field `label` has 11 classes"),
+    ("example_tasks:Missing", 2, "module 'example_tasks' has no 'Missing'"),
+    ("no_such_module:Task", 2, "cannot import 'no_such_module'"),
+    ("nonsense", 2, "`task`='nonsense' unknown; allowed: classification, triplet"),
+])
+def test_task_errors_are_one_line_with_exit_2(tmp_path, task, code, message):
+  out = helpers.run_cli(tmp_path, "configs/fashion_mnist.py:smoke", f"task={task}", timeout=120)
+  assert out.returncode == code, out.stderr[-2000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("microstep: error:") and message in last, last
+  assert "Traceback" not in out.stderr
+
+
+# ------------------------------------------------------------------ exactness, Transformer ----
+def test_transformer_accumulation_equals_the_big_batch(tmp_path):
+  """Text task, k=4 under Mirrored(2), AdamW + clipping + warm-up: equals one big step, 1e-6."""
+  config = helpers.tiny_config(**{
+      "task": "text_classification", "text.train_examples": 256, "text.test_examples": 32,
+      "batch_size": 16, "accumulation.steps": 4, "strategy": "mirrored", "cpu_replicas": 2,
+      "optimizer.name": "adamw", "optimizer.weight_decay": 0.05, "optimizer.learning_rate": 0.01,
+      "optimizer.global_clipnorm": 0.3, "optimizer.warmup_steps": 2, "optimizer.decay": "cosine",
+      "train_steps": 3})
+  strategy, trainer = helpers.build(config, tmp_path)
+  initial, _ = helpers.snapshot(strategy, trainer)
+  trainer.train(tf.constant(3))
+  weights, slots = helpers.snapshot(strategy, trainer)
+  assert float(trainer.last_grad_norm.numpy()) > 0.3, "clipping must be active"
+  ref_weights, ref_slots = helpers.reference_run(config, initial,
+                                                 helpers.update_batches(config, 3))
+  assert helpers.max_abs_diff(weights, ref_weights) <= 1e-6
+  assert helpers.max_abs_diff(slots, ref_slots) <= 1e-6
+
+
+# --------------------------------------------------------------------- resume, tf.data -------
+@pytest.mark.parametrize("strategy,crash,how", [
+    ("default", "after_files:8", "restored the input iterator of update 6"),
+    ("mirrored", "after_files:8", "restored the input iterator of update 6"),
+    ("default", "data_state:8", "skipping the 16 micro-batches"),
+])
+def test_tf_data_task_resumes_bitwise_after_kill_9(tmp_path, strategy, crash, how):
+  """kill -9 inside a checkpoint save, rerun: the same weights as a run never interrupted."""
+  extra = ["task=example_tasks:Streamed", "accumulation.steps=2", "train_steps=16",
+           "steps_per_loop=2", "checkpoint_every=2", "eval_every=16", "deterministic=True",
+           "export_at_end=False", "mode=train"]
+  if strategy == "mirrored":
+    extra += ["strategy=mirrored", "cpu_replicas=2"]
+  full = helpers.run_cli(tmp_path / "full", "configs/fashion_mnist.py:smoke", *extra)
+  assert full.returncode == 0, full.stderr[-2000:]
+  killed = tmp_path / "killed"
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+             PYTHONPATH=os.pathsep.join([helpers.REPO, helpers.TESTS]))
+  crashed = subprocess.run(
+      ["timeout", "-k", "5", "240", sys.executable, os.path.join(helpers.TESTS, "crash_worker.py"),
+       crash, f"--config={os.path.join(helpers.REPO, 'configs/fashion_mnist.py')}:smoke",
+       f"--workdir={killed}"] + [f"--config.{e}" for e in extra],
+      cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=260, check=False)
+  assert crashed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL), crashed.stderr[-2000:]
+  resumed = helpers.run_cli(killed, "configs/fashion_mnist.py:smoke", *extra)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert how in resumed.stderr, resumed.stderr[-3000:]
+  helpers.assert_same_weights(tmp_path / "full", killed)
+
+
+# ------------------------------------------------------------------------------ export --------
+def test_export_round_trips_in_a_fresh_process(tmp_path):
+  config = helpers.tiny_config(**{"task": "text_classification", "text.train_examples": 128,
+                                  "text.test_examples": 32, "train_steps": 2,
+                                  "steps_per_loop": 2, "eval_every": 2, "export_at_end": True})
+  result = run.run(config, str(tmp_path))
+  path = result["export"]
+  assert path == str(tmp_path / "export" / "2") and os.path.isdir(path)
+  # The model to compare with: rebuilt and restored from the run's checkpoint.
+  strategy, trainer = helpers.build(helpers.tiny_config(**{
+      "task": "text_classification", "text.train_examples": 128, "text.test_examples": 32,
+      "mode": "eval"}), tmp_path)
+  del strategy
+  tokens = np.random.RandomState(0).randint(1, 1000, (5, 16)).astype(np.int32)
+  np.save(tmp_path / "tokens.npy", tokens)
+  expected = trainer.model(tokens, training=False).numpy()
+  script = ("import sys, numpy as np, tensorflow as tf\n"
+            "m = tf.saved_model.load(sys.argv[1])\n"
+            "out = m.serve(np.load(sys.argv[2]))\n"
+            "np.save(sys.argv[3], out.numpy())\n")
+  done = subprocess.run(["timeout", "-k", "5", "120", sys.executable, "-c", script, path,
+                         str(tmp_path / "tokens.npy"), str(tmp_path / "served.npy")],
+                        capture_output=True, text=True, timeout=140, check=False,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  served = np.load(tmp_path / "served.npy")
+  assert served.shape == expected.shape == (5, 2)
+  assert np.max(np.abs(served - expected)) <= 1e-6
+
+
+def test_mode_export_writes_the_checkpointed_model(tmp_path):
+  config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "eval_every": 2})
+  run.run(config, str(tmp_path))
+  result = run.run(helpers.tiny_config(mode="export"), str(tmp_path))
+  assert result["global_step"] == 2 and result["export"].endswith("export/2")

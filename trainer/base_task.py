@@ -1,0 +1,158 @@
+"""The Task: what a user writes to train their own model on their own data with microstep.
+
+A task is a class with four methods and one attribute. microstep owns everything else: the
+strategy, the data order, accumulation, the update, checkpoints, evaluation, export.
+
+    class MyTask(base_task.Task):
+      metric_names = ("accuracy",)          # per-example metrics; () is fine
+
+      def build_model(self):                # eager, under strategy.scope()
+        return keras.Sequential([...])
+
+      def train_data(self):                 # eager, host, once per run
+        return {"x": x_train, "y": y_train} # or an .npz path, an indexable, a tf.data factory
+
+      def eval_data(self):                  # None: no evaluation
+        return {"x": x_test, "y": y_test}
+
+      def per_example_loss(self, model, batch, training):   # traced, replica context
+        logits = model(batch["x"], training=training)
+        loss = keras.losses.sparse_categorical_crossentropy(batch["y"], logits, from_logits=True)
+        correct = tf.cast(tf.argmax(logits, -1) == batch["y"], tf.float32)
+        return base_task.LossOutput(loss=loss, metrics={"accuracy": correct})
+
+Select it with `--config.task=my_module:MyTask` (an import path; the built-in short names
+`classification`, `triplet`, `text_classification`, `npz_classification` still work), or pass
+an instance to `trainer.train(config, workdir, task=MyTask(config))`. docs/tasks.md has a worked
+example that runs as written.
+
+**The loss contract.** `per_example_loss` returns one loss per example, never a mean: microstep
+sums `loss * weight` over every micro-step and replica of an update and divides by the sum of
+weights, so an update on k micro-batches equals one step on the concatenated batch, whatever the
+masks. `weight` (default: ones) lets an example count for less or not at all. `metrics` are
+per-example values, averaged with the same weights. The batch never contains padding you have to
+handle: microstep pads the last evaluation batch itself and gives padded rows weight 0.
+
+**Data.** `train_data()` and `eval_data()` return one of:
+
+  * random access (the default path): a dict of numpy arrays with one leading dimension; a path
+    to an `.npz` file (its arrays by name, or `<split>_`-prefixed names such as `x_train`, see
+    `trainer.data`); any object with `__len__` and `__getitem__(i) -> dict of arrays` (e.g.
+    `tfds.data_source(...)`, ArrayRecord readers); or an `ExampleSource`. microstep draws
+    examples through a deterministic, resumable stream: example order does not depend on the
+    number of replicas or workers, k micro-batches are exactly one batch of k·B, and a restart
+    resumes from one integer in the checkpoint.
+  * a `tf.data` factory: a callable `f()` or `f(input_context)` returning a `tf.data.Dataset` of
+    single examples (dicts of tensors), e.g. TFRecord files or `tfds.load`. microstep shards it
+    (when `f` takes no argument), repeats and batches it for training, and stores the iterator
+    with each checkpoint (`config.data.resume`); see docs/tasks.md for the rules per strategy.
+
+Errors in your data are yours to describe: raise `DataError` with one line naming what is wrong,
+and microstep prints that line and exits with code 2.
+"""
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import tensorflow as tf
+
+from trainer import errors
+
+DataError = errors.DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+  """What `Task.per_example_loss` returns for a batch of B examples.
+
+  Attributes:
+    loss: [B] per-example losses (any float dtype; summed in float32).
+    weight: [B] per-example weights, or None for ones. 0 drops an example.
+    metrics: name -> [B] per-example values, one entry per name in `Task.metric_names`.
+  """
+  loss: Any
+  weight: Any = None
+  metrics: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExampleSource:
+  """A random-access source in TensorFlow terms, for sources that draw per-position randomness.
+
+  Attributes:
+    num_examples: N; the stream visits examples 0..N-1 once per epoch.
+    take: `take(ids, positions) -> dict of tensors` with leading dimension b. Traced inside
+      tf.data on the host. `ids` [b] int64 are the examples to return; `positions` [b] int64
+      their places in the infinite stream (unique; position p belongs to epoch p // N), for
+      sources that draw extra randomness per example, e.g. a triplet's positive and negative.
+  """
+  num_examples: int
+  take: Callable[[tf.Tensor, tf.Tensor], dict]
+
+
+class Task:
+  """Base class of a task; subclass it and override the methods below (see the module docstring).
+
+  Attributes:
+    config: the run's `ml_collections.ConfigDict`; add your own fields to it in your config file.
+    metric_names: names of the per-example metrics `per_example_loss` returns (may be empty).
+  """
+  metric_names: Sequence[str] = ()
+
+  def __init__(self, config):
+    """Eager, host. Check your config fields here and raise `errors.ConfigError` with one line."""
+    self.config = config
+
+  def build_model(self):
+    """Returns a new Keras model; called eagerly inside `strategy.scope()`."""
+    raise NotImplementedError(f"{type(self).__name__}.build_model")
+
+  def train_data(self):
+    """Returns the training source (see the module docstring); eager, host, once per run."""
+    raise NotImplementedError(f"{type(self).__name__}.train_data")
+
+  def eval_data(self):
+    """Returns the evaluation source, or None for no evaluation; eager, host."""
+    return None
+
+  def per_example_loss(self, model, batch: dict, training: bool) -> LossOutput:
+    """Per-example losses, weights and metrics of `batch`; traced, in replica context."""
+    raise NotImplementedError(f"{type(self).__name__}.per_example_loss")
+
+  def serving_signature(self) -> Optional[list]:
+    """Input `tf.TensorSpec`s of the exported model; None: the model's own `inputs`."""
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The framework's side of the contract: microstep calls this, tasks do not.
+def weighted_outputs(task, model, batch: dict, training: bool):
+  """Runs `task.per_example_loss` on a batch from `trainer.data`; traced, replica context.
+
+  Removes the framework's validity mask (`trainer.data.VALID_KEY`) from the batch, multiplies it
+  into the task's weights, and checks the task's output against the contract.
+
+  Returns:
+    (loss [B] float32, weight [B] float32, [metric [B] float32 per name in task.metric_names]).
+  """
+  from trainer import data  # pylint: disable=g-import-not-at-top
+  features = {k: v for k, v in batch.items() if k != data.VALID_KEY}
+  valid = batch[data.VALID_KEY]
+  out = task.per_example_loss(model, features, training=training)
+  name = type(task).__name__
+  if not isinstance(out, LossOutput):
+    raise errors.TaskError(f"{name}.per_example_loss returned {type(out).__name__}; expected "
+                           "base_task.LossOutput(loss=..., weight=..., metrics=...)")
+  loss = tf.cast(out.loss, tf.float32)
+  if loss.shape.rank != 1:
+    raise errors.TaskError(f"{name}.per_example_loss: loss has shape {loss.shape}; expected one "
+                           "value per example [B] (never a mean)")
+  weight = valid if out.weight is None else tf.cast(out.weight, tf.float32) * valid
+  if set(out.metrics) != set(task.metric_names):
+    raise errors.TaskError(f"{name}.per_example_loss: metrics {sorted(out.metrics)} differ from "
+                           f"{name}.metric_names {sorted(task.metric_names)}")
+  metrics = [tf.cast(out.metrics[m], tf.float32) for m in task.metric_names]
+  for m, value in zip(task.metric_names, metrics):
+    if value.shape.rank != 1:
+      raise errors.TaskError(f"{name}.per_example_loss: metric {m!r} has shape {value.shape}; "
+                             "expected [B]")
+  return loss, weight, metrics

@@ -1,0 +1,42 @@
+"""Built-in tasks, and finding a task by name or import path.
+
+Every built-in task is an ordinary `trainer.base_task.Task` that a user could have written; the
+runner knows none of their datasets. `config.task` is a short name below or an import path
+`package.module:ClassName` (the module is imported as Python imports it: from the working
+directory, the config file's directory, or an installed package). Eager, host.
+"""
+import importlib
+
+from trainer import errors
+
+BUILT_IN = {
+    "classification": "trainer.tasks.fashion_mnist:Classification",
+    "triplet": "trainer.tasks.fashion_mnist:Triplet",
+    "text_classification": "trainer.tasks.text:TextClassification",
+    "npz_classification": "trainer.tasks.npz:NpzClassification",
+}
+
+
+def task_class(name: str):
+  """The class named by `config.task` (a short name or `module:Class`)."""
+  path = BUILT_IN.get(name, name)
+  module_name, _, class_name = path.partition(":")
+  if not module_name or not class_name:
+    raise errors.ConfigError(
+        f"`task`={name!r} unknown; allowed: {', '.join(BUILT_IN)} or an import path "
+        "`package.module:ClassName`")
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise errors.ConfigError(
+        f"`task`={name!r}: cannot import {module_name!r} ({e}); run from the directory that "
+        "holds it, put it beside the config file, or install it") from None
+  cls = getattr(module, class_name, None)
+  if cls is None:
+    raise errors.ConfigError(f"`task`={name!r}: module {module_name!r} has no {class_name!r}")
+  return cls
+
+
+def create_task(config):
+  """Instantiates the task `config.task` with the run's config (eager)."""
+  return task_class(config.task)(config)
