@@ -11,8 +11,8 @@ What `--gpus=N` turns into:
 
 The GPUs are picked with CUDA_VISIBLE_DEVICES: 0..N-1, or the first N entries of a
 CUDA_VISIBLE_DEVICES that is already set. While the trainer exits with PREEMPTED_EXIT_CODE (it was
-stopped and wrote a checkpoint) the same command is started again, at most `--max_restarts` times,
-and resumes from the checkpoint in `--workdir`. A SIGTERM to the launcher is passed on to the
+stopped and wrote a checkpoint) or PEER_LOST_EXIT_CODE, the same command is started again, at most
+`--max_restarts` times, and resumes from the checkpoint in `--workdir`. A SIGTERM to the launcher is passed on to the
 trainer (so it can checkpoint) and ends the launcher without a restart.
 """
 import os
@@ -22,7 +22,6 @@ from typing import Mapping, Sequence
 from absl import flags
 
 from launch import common
-from trainer import exit_codes
 
 FLAGS = flags.FLAGS
 
@@ -71,7 +70,7 @@ def launch(cmd: common.Command, max_restarts: int) -> int:
   """Runs `cmd`, again after each preemption exit, at most `max_restarts` extra times."""
   return common.run_with_restarts(
       lambda attempt: common.run(cmd), max_restarts, "trainer",
-      restart_codes=(exit_codes.PREEMPTED_EXIT_CODE,))
+      restart_codes=common.RESTART_CODES)
 
 
 def main(argv: Sequence[str]) -> int:

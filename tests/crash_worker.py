@@ -1,9 +1,10 @@
-"""`python -m trainer.main` that SIGKILLs itself inside a chosen checkpoint save (fault tests).
+"""`python -m trainer.main` that dies (SIGKILL) or fails inside a chosen checkpoint save.
 
 usage: python tests/crash_worker.py PHASE:STEP [trainer.main flags...]
 PHASE: before_write (nothing written), mid_write (a timer kills while files are written),
 after_files (files written, `checkpoint` index not yet updated), data_state (the main checkpoint
-complete, the input iterator's not yet written). STEP: the global step whose save dies. Production code is untouched; the patches live only in this process.
+complete, the input iterator's not yet written), disk_full (writing the files fails with
+ResourceExhaustedError, as on a full disk). STEP: the global step whose save dies. Production code is untouched; the patches live only in this process.
 """
 import os
 import random
@@ -22,6 +23,7 @@ def main():
   phase, step = sys.argv[1].split(":")
   step = int(step)
   del sys.argv[1]
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from tensorflow.python.checkpoint import checkpoint as checkpoint_lib  # pylint: disable=g-import-not-at-top
   from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=g-import-not-at-top
   original_write = checkpoint_lib.Checkpoint._write  # pylint: disable=protected-access
@@ -30,6 +32,8 @@ def main():
   def write(self, file_prefix, options=None):
     if file_prefix.endswith(f"ckpt-{step}"):
       data_state = "data_state" in file_prefix
+      if phase == "disk_full" and not data_state:
+        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
       if phase == "before_write" and not data_state or phase == "data_state" and data_state:
         _die()
       if phase == "mid_write" and not data_state:
@@ -44,9 +48,8 @@ def main():
 
   checkpoint_lib.Checkpoint._write = write  # pylint: disable=protected-access
   checkpoint_management.update_checkpoint_state_internal = update_state
-  from absl import app  # pylint: disable=g-import-not-at-top
   from trainer import main as trainer_main  # pylint: disable=g-import-not-at-top
-  app.run(trainer_main.main)
+  trainer_main.run_cli()
 
 
 if __name__ == "__main__":

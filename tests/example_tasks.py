@@ -74,3 +74,16 @@ class BadLoss(NoMetrics):
 class BadData(NoMetrics):
   def train_data(self):
     raise base_task.DataError("my_records.tfrecord: field `label` has 11 classes, expected 10")
+
+
+class Flaky(NoMetrics):
+  """Every example of two batches in three has a NaN loss (with data.shuffle=False, batch 16)."""
+
+  def train_data(self):
+    arrays = _arrays(480, 1)
+    arrays["poison"] = ((np.arange(480) // 16) % 3 != 0).astype(np.float32)
+    return arrays
+
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, {"x": batch["x"], "y": batch["y"]}, training)[0]
+    return base_task.LossOutput(loss=tf.where(batch["poison"] > 0, float("nan"), loss))

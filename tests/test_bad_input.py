@@ -31,7 +31,10 @@ def _idx(path, array):
     f.write(header + array.astype(np.uint8).tobytes())
 
 
-def _fake_data_dir(root, images=(64, 28, 28), labels=None, truncate=False):
+def _fake_data_dir(root, images=(64, 28, 28), labels=None, truncate=False, damage=None):
+  """IDX files like the Debian package's; `damage` breaks the train images file on disk:
+  'cut_gzip' (the gzip stream ends early), 'random_bytes' (not gzip), 'directory' (a directory
+  where the file belongs)."""
   os.makedirs(root, exist_ok=True)
   rng = np.random.RandomState(0)
   for split, (image_name, label_name) in fashion_mnist._IDX_FILES.items():  # pylint: disable=protected-access
@@ -44,6 +47,15 @@ def _fake_data_dir(root, images=(64, 28, 28), labels=None, truncate=False):
       raw = gzip.open(path).read()
       with gzip.open(path, "wb") as f:
         f.write(raw[: len(raw) // 2])
+  path = os.path.join(root, fashion_mnist._IDX_FILES["train"][0])  # pylint: disable=protected-access
+  if damage == "cut_gzip":
+    raw = open(path, "rb").read()
+    open(path, "wb").write(raw[: len(raw) // 2])
+  elif damage == "random_bytes":
+    open(path, "wb").write(np.random.RandomState(1).bytes(4096))
+  elif damage == "directory":
+    os.remove(path)
+    os.makedirs(path)
   return str(root)
 
 
@@ -86,6 +98,59 @@ CASES = [
      "train split is empty"),
     ("truncated file", {"data.source": "idx"}, lambda d: _fake_data_dir(d, truncate=True),
      "is truncated"),
+    ("gzip stream cut short", {"data.source": "idx"},
+     lambda d: _fake_data_dir(d, damage="cut_gzip"), "is not a readable gzip file (EOFError"),
+    ("random bytes instead of gzip", {"data.source": "idx"},
+     lambda d: _fake_data_dir(d, damage="random_bytes"), "is not a readable gzip file"),
+    ("a directory instead of a file", {"data.source": "idx"},
+     lambda d: _fake_data_dir(d, damage="directory"), "lacks the file train-images-idx3-ubyte.gz"),
+    # Every number finite and in range (issue 11).
+    ("learning rate NaN", {"optimizer.learning_rate": float("nan")}, None,
+     "`optimizer.learning_rate`=nan must be a finite number"),
+    ("learning rate inf", {"optimizer.learning_rate": float("inf")}, None,
+     "`optimizer.learning_rate`=inf must be a finite number"),
+    ("beta_1 NaN", {"optimizer.beta_1": float("nan")}, None,
+     "`optimizer.beta_1`=nan must be a finite number"),
+    ("beta_2 = 1", {"optimizer.beta_2": 1.0}, None, "`optimizer.beta_2`=1.0 must be in [0, 1)"),
+    ("epsilon = 0", {"optimizer.epsilon": 0.0}, None, "`optimizer.epsilon`=0.0 must be a number > 0"),
+    ("weight decay inf", {"optimizer.weight_decay": float("inf")}, None,
+     "`optimizer.weight_decay`=inf must be a finite number"),
+    ("clip norm NaN", {"optimizer.global_clipnorm": float("nan")}, None,
+     "`optimizer.global_clipnorm`=nan must be a finite number"),
+    ("negative warm-up", {"optimizer.warmup_steps": -1}, None,
+     "`optimizer.warmup_steps`=-1 must be an integer >= 0"),
+    ("loss scale inf", {"loss_scale.initial": float("inf")}, None,
+     "`loss_scale.initial`=inf must be a finite number"),
+    ("margin NaN", {"triplet.margin": float("nan")}, None, "`triplet.margin`=nan must be a finite"),
+    ("peer timeout 0", {"peer_timeout_s": 0}, None, "`peer_timeout_s`=0 must be a number > 0"),
+    ("eval timeout negative", {"eval_timeout_s": -1}, None, "`eval_timeout_s`=-1 must be a number"),
+    ("skip fraction 0", {"max_skipped_fraction": 0.0}, None,
+     "`max_skipped_fraction`=0.0 must be a number > 0"),
+    ("skip fraction above 1", {"max_skipped_fraction": 1.5}, None,
+     "`max_skipped_fraction`=1.5 must be in (0, 1]"),
+    ("skip window 0", {"skip_window": 0}, None, "`skip_window`=0 must be an integer >= 1"),
+    ("keep 0 checkpoints", {"keep_checkpoints": 0}, None, "`keep_checkpoints`=0 must be an integer"),
+    ("eval steps 0", {"eval_steps": 0}, None, "`eval_steps`=0 must be an integer >= 1"),
+    ("unknown xla setting", {"xla": "maybe"}, None, "`xla`='maybe' unknown; allowed: auto, on, off"),
+    ("unknown replica_state", {"replica_state": "avg"}, None, "`replica_state`='avg' unknown"),
+    ("unknown data.resume", {"data.resume": "never"}, None, "`data.resume`='never' unknown"),
+    ("image too small for the CNN", {"model": "small_cnn", "data.image_size": 8}, None,
+     "`data.image_size`=8 is too small for `model`=small_cnn; allowed: >= 10"),
+    ("per-example statistics on triplets", {"task": "triplet", "model": "vgg_small",
+                                            "data.image_size": 32, "per_example.every_steps": 1},
+     None, "`per_example.every_steps` needs one model row per example"),
+    ("one_device on a device that does not exist", {"strategy": "one_device", "device": "bogus"},
+     None, "`device`='bogus' is not a device of this machine; allowed: /cpu:0"),
+    ("one_device on a GPU this machine lacks", {"strategy": "one_device", "device": "/gpu:7"},
+     None, "`device`='/gpu:7' is not a device of this machine"),
+    ("strategy=tpu without a TPU", {"strategy": "tpu", "tpu_address": "local"}, None,
+     "`strategy`=tpu: no TPU at `tpu_address`='local'"),
+    ("text task: target token outside the vocabulary", {"task": "text_classification",
+                                                         "text.target_token": 5000}, None,
+     "`text.target_token`=5000 must be in 1..999"),
+    ("npz task without a file", {"task": "npz_classification"}, None, "`data.path` is empty"),
+    ("npz task, file missing", {"task": "npz_classification", "data.path": "/nonexistent.npz"},
+     None, "`data.path`='/nonexistent.npz' is not a file"),
 ]
 
 

@@ -121,9 +121,16 @@ def _counting_command(tmp_path, codes):
 
 
 def test_single_machine_restarts_while_preempted(tmp_path):
-  cmd, counter = _counting_command(tmp_path, [42, 42, 0])
+  cmd, counter = _counting_command(tmp_path, [42, 43, 0])
   assert single_machine.launch(cmd, max_restarts=3) == 0
   assert counter.read_text() == "3"
+
+
+@pytest.mark.parametrize("code", [2, 3, 74, 130])
+def test_single_machine_never_restarts_a_stop_a_person_must_read(tmp_path, code):
+  cmd, counter = _counting_command(tmp_path, [code, 0])
+  assert single_machine.launch(cmd, max_restarts=3) == code
+  assert counter.read_text() == "1"
 
 
 def test_single_machine_restarts_are_bounded(tmp_path):

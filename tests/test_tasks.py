@@ -134,8 +134,8 @@ def test_transformer_accumulation_equals_the_big_batch(tmp_path):
 
 # --------------------------------------------------------------------- resume, tf.data -------
 @pytest.mark.parametrize("strategy,crash,how", [
-    ("default", "after_files:8", "restored the input iterator of update 6"),
-    ("mirrored", "after_files:8", "restored the input iterator of update 6"),
+    ("default", "before_write:10", "restored the input iterator of update 8"),
+    ("mirrored", "before_write:10", "restored the input iterator of update 8"),
     ("default", "data_state:8", "skipping the 16 micro-batches"),
 ])
 def test_tf_data_task_resumes_bitwise_after_kill_9(tmp_path, strategy, crash, how):

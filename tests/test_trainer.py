@@ -104,13 +104,12 @@ def test_bad_input_fails_early_with_one_line(tmp_path, override, message):
   if override == "data.source=idx":
     extra = [f"data.dir={tmp_path / 'nowhere'}"]
   out = _main(tmp_path / "w", override, *extra, timeout=120)
-  assert out.returncode != 0
+  assert out.returncode == 2
   assert message in out.stderr, out.stderr[-1500:]
   if override == "data.source=idx":
     assert "apt-get install dataset-fashion-mnist" in out.stderr
-  if override != "batch_size=abc":
-    errors = [l for l in out.stderr.splitlines() if l.startswith("microstep: error:")]
-    assert len(errors) == 1 and "Traceback" not in out.stderr
+  errors = [l for l in out.stderr.splitlines() if l.startswith("microstep: error:")]
+  assert len(errors) == 1 and "Traceback" not in out.stderr
 
 
 def test_eval_and_continuous_eval_modes_read_the_checkpoints(tmp_path):

@@ -31,10 +31,17 @@ class _ManagerWithDataState(tf.train.CheckpointManager):
     self._data_manager = data_manager
 
   def save(self, checkpoint_number=None, check_interval=True, options=None):
-    path = super().save(checkpoint_number=checkpoint_number, check_interval=check_interval,
-                        options=options)
-    if path and self._data_manager is not None:
-      self._data_manager.save(checkpoint_number=int(path.rsplit("-", 1)[1]), options=options)
+    try:
+      path = super().save(checkpoint_number=checkpoint_number, check_interval=check_interval,
+                          options=options)
+      if path and self._data_manager is not None:
+        self._data_manager.save(checkpoint_number=int(path.rsplit("-", 1)[1]), options=options)
+    except (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
+            tf.errors.UnknownError, OSError) as e:
+      previous = self.latest_checkpoint or "none"
+      raise CheckpointWriteError(
+          f"cannot write a checkpoint to {self.directory} ({_reason(e)}); disk full? The latest "
+          f"checkpoint is still {previous}: free space and rerun to resume") from None
     return path
 
 
@@ -75,3 +82,89 @@ def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int) -
   tf.train.Checkpoint(iterator=data_iterator).restore(path).assert_existing_objects_matched()
   logging.info("restored the input iterator of update %d from %s", step, path)
   return True
+
+
+# ----------------------------------------------------------------- damaged checkpoints ---------
+class CheckpointWriteError(RuntimeError):
+  """A checkpoint could not be written (disk full, permissions); the previous one stands."""
+
+
+# What a damaged checkpoint raises on restore (truncated, zeroed or missing files). A checkpoint
+# of another model raises AssertionError/ValueError instead: that is a config change, not damage.
+_DAMAGE = (tf.errors.OpError, IndexError, RuntimeError, OSError, EOFError)
+
+
+def _numbered(directory: str) -> list:
+  """(update, prefix) of every `ckpt-N` whose index file exists, newest first."""
+  found = []
+  for index in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")):
+    prefix = index[:-len(".index")]
+    number = prefix.rsplit("-", 1)[1]
+    if number.isdigit():
+      found.append((int(number), prefix))
+  return sorted(found, reverse=True)
+
+
+def _reason(error: BaseException) -> str:
+  text = " ".join(str(error).split())
+  return f"{type(error).__name__}: {text[:120]}"
+
+
+def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool):
+  """Restores the newest checkpoint in `directory` that reads back whole; returns its prefix.
+
+  Eager, host. Candidates are the `ckpt-N` files present, whatever the `checkpoint` state file
+  says (it may be missing, garbage, or name a file that is gone). A damaged newer checkpoint is
+  skipped with ONE warning line naming it and why. With `repair` (the chief), damaged files move
+  to `directory/damaged/` and the state file is rewritten to list the intact ones, so that the
+  Controller and later saves agree. Returns None when there is no checkpoint at all; raises
+  `errors.ConfigError` when checkpoints exist but none reads back (nothing is overwritten) or
+  when one belongs to another config.
+  """
+  from trainer import errors  # pylint: disable=g-import-not-at-top
+  candidates = _numbered(directory)
+  skipped = []
+  for number, prefix in candidates:
+    try:
+      with strategy.scope():
+        checkpoint.restore(prefix).assert_existing_objects_matched()
+    except _DAMAGE as e:
+      skipped.append((prefix, _reason(e)))
+      continue
+    except (AssertionError, ValueError) as e:
+      raise errors.ConfigError(
+          f"the checkpoint {prefix} does not match this config (model, optimizer or "
+          f"mixed_precision changed?); use a fresh `--workdir` ({type(e).__name__})") from None
+    if skipped:
+      logging.warning("skipped damaged checkpoint(s) %s; resuming from %s",
+                      "; ".join(f"{p} ({why})" for p, why in skipped), prefix)
+    if repair:
+      _repair(directory, [p for p, _ in skipped], [p for n, p in candidates if n <= number])
+    return prefix
+  if skipped:
+    raise errors.ConfigError(
+        f"no checkpoint in {directory} reads back ({'; '.join(why for _, why in skipped[:2])}); "
+        "nothing was overwritten: move them away or use a fresh `--workdir` to start over")
+  return None
+
+
+def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
+  """Moves damaged checkpoints aside and points the state file at the intact ones."""
+  if damaged:
+    aside = os.path.join(directory, "damaged")
+    tf.io.gfile.makedirs(aside)
+    for prefix in damaged:
+      for path in tf.io.gfile.glob(prefix + ".*"):
+        tf.io.gfile.rename(path, os.path.join(aside, os.path.basename(path)), overwrite=True)
+  intact = list(reversed(intact_newest_first))  # Oldest first, as the state file lists them.
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except (tf.errors.OpError, ValueError):
+    state = None
+  listed = [] if state is None else [os.path.basename(p) for p in state.all_model_checkpoint_paths]
+  if damaged or state is None or os.path.basename(state.model_checkpoint_path) != (
+      os.path.basename(intact[-1])) or listed != [os.path.basename(p) for p in intact]:
+    logging.warning("rewrote %s/checkpoint to list %s", directory,
+                    ", ".join(os.path.basename(p) for p in intact))
+    tf.compat.v1.train.update_checkpoint_state(directory, intact[-1],
+                                               all_model_checkpoint_paths=intact)

@@ -61,6 +61,11 @@ def base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   config.summary_every = 0      # Updates between in-loop summaries; 0: every loop end.
   config.max_consecutive_skips = 20  # Non-finite updates in a row before the run stops.
+  config.max_skipped_fraction = 0.5  # ... or more than this fraction of the last skip_window.
+  config.skip_window = 100
+  # Restart guard: fields (comma separated) allowed to differ from workdir/config.json although
+  # they change what the saved state means (trainer/workdir.py RESUME_FIXED).
+  config.allow_config_change = ""
   # --- Optimizer and schedule.
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.name = "adam"  # sgd | adam | adamw

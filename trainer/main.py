@@ -1,13 +1,20 @@
 r"""Command line: `python -m trainer.main --config=configs/fashion_mnist.py --workdir=DIR`.
 
-Override any field with `--config.FIELD=VALUE` (e.g. `--config.accumulation.steps=4`). Exit codes:
-0 done; 2 bad config or data (one line on stderr); 3 too many non-finite updates;
-42 preempted (checkpoint written, rerun to resume); 43 a multi-worker peer was lost.
+Override any field with `--config.FIELD=VALUE` (e.g. `--config.accumulation.steps=4`). Every
+failure is one line on stderr, `microstep: error: ...`, with an exit code the launchers act on
+(`trainer/exit_codes.py`): 0 done; 2 bad config, data, workdir or task; 3 too many non-finite
+updates; 42 preempted (SIGTERM: checkpoint written, rerun to resume); 43 a multi-worker peer was
+lost; 74 a checkpoint could not be written; 130 interrupted (Ctrl-C: checkpoint written).
 
 A config file outside the repository may name a task in a module beside it
 (`config.task = "my_task:MyTask"`): the config file's directory is importable, as is the
 working directory.
 """
+from trainer import shutdown
+
+shutdown.install()  # First: a SIGTERM during the imports below is already a clean stop.
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import os
 import sys
 
@@ -17,6 +24,8 @@ from absl import logging
 from ml_collections import config_flags
 
 from trainer import exit_codes
+from trainer import flag_errors
+
 
 def _config_dir_importable(argv) -> None:
   """Puts the --config file's directory on sys.path, so it and its task can import siblings."""
@@ -34,28 +43,31 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, summaries and conf
 flags.mark_flags_as_required(["config", "workdir"])
 
 
-def _fail(code: int, message: str):
-  print(f"microstep: error: {message}", file=sys.stderr)
-  sys.exit(code)
-
-
 def main(argv):
   if len(argv) > 1:
-    _fail(2, f"unexpected arguments {argv[1:]}; use --config.FIELD=VALUE overrides")
+    flag_errors.fail(f"unexpected arguments {argv[1:]}; use --config.FIELD=VALUE overrides")
   logging.set_verbosity(logging.INFO)
-  from trainer import errors, preemption, run  # pylint: disable=g-import-not-at-top
+  from trainer import checkpointing, errors, preemption, run
   try:
     run.run(_CONFIG.value, _WORKDIR.value)
   except errors.MicrostepError as e:
-    _fail(2, str(e))
+    flag_errors.fail(str(e))
   except FloatingPointError as e:
-    _fail(3, str(e))
-  except preemption.PreemptedError as e:
-    _fail(exit_codes.PREEMPTED_EXIT_CODE, str(e))
+    flag_errors.fail(str(e), exit_codes.DIVERGED_EXIT_CODE)
   except preemption.PeerLostError as e:
-    _fail(exit_codes.PEER_LOST_EXIT_CODE, str(e))
+    flag_errors.fail(str(e), exit_codes.PEER_LOST_EXIT_CODE)
+  except checkpointing.CheckpointWriteError as e:
+    flag_errors.fail(str(e), exit_codes.CHECKPOINT_WRITE_FAILED_EXIT_CODE)
+
+
+def run_cli() -> None:
+  """The command line: parse the flags, run, turn every failure into one line and an exit code."""
+  try:
+    _config_dir_importable(sys.argv)
+    app.run(main, flags_parser=flag_errors.parse)
+  except shutdown.StopRequested as e:
+    flag_errors.fail(str(e), e.exit_code)
 
 
 if __name__ == "__main__":
-  _config_dir_importable(sys.argv)
-  app.run(main)
+  run_cli()

@@ -148,6 +148,8 @@ class Trainer(orbit.StandardTrainer):
     options = orbit.StandardTrainerOptions(use_tf_while_loop=True, use_tf_function=True)
     super().__init__(train_dataset, options=options)
     self._loop_start = None
+    self._skip_history = []  # (update, skipped updates so far) at loop ends.
+    self.restored_checkpoint = None  # Set by run.build.
 
   def checkpoint_items(self) -> dict:
     """What a checkpoint holds: weights, model, optimizer, counters (incl. data position), loss scale.
@@ -257,6 +259,8 @@ class Trainer(orbit.StandardTrainer):
     with self.strategy.scope():
       self.loop_sums.assign(tf.zeros_like(self.loop_sums))
     self._loop_start = (time.perf_counter(), int(self.global_step.numpy()))
+    if not self._skip_history:
+      self._skip_history.append((self._loop_start[1], int(self.skipped_updates.numpy())))
 
   def train_loop_end(self):
     """Loop metrics (TensorBoard scalars via the Controller) and one fixed-format log line."""
@@ -287,7 +291,27 @@ class Trainer(orbit.StandardTrainer):
       raise FloatingPointError(
           f"{int(self.consecutive_skips.numpy())} consecutive updates had non-finite loss or "
           f"gradients (`max_consecutive_skips`={limit}); stopping instead of training on garbage")
+    self._check_recent_skips(step, output["skipped_updates"])
     return output
+
+  def _check_recent_skips(self, step: int, skipped: int) -> None:
+    """Stops when more than `max_skipped_fraction` of the last `skip_window` updates skipped.
+
+    Eager, at loop ends: (update, skipped so far) snapshots, compared with the newest one at
+    least `skip_window` updates old.
+    """
+    window, fraction = int(self.config.skip_window), float(self.config.max_skipped_fraction)
+    self._skip_history.append((step, skipped))
+    old = [h for h in self._skip_history if h[0] <= step - window]
+    if old:
+      first_step, first_skipped = old[-1]
+      recent = (skipped - first_skipped) / max(step - first_step, 1)
+      self._skip_history = [h for h in self._skip_history if h[0] >= first_step]
+      if recent > fraction:
+        raise FloatingPointError(
+            f"{skipped - first_skipped} of the last {step - first_step} updates had non-finite "
+            f"loss or gradients (more than `max_skipped_fraction`={fraction} of "
+            f"`skip_window`={window}); stopping instead of training on garbage")
 
   def current_learning_rate(self) -> float:
     """The schedule's value at the current `optimizer.iterations` (eager)."""

@@ -1,15 +1,17 @@
-"""Preemption: SIGTERM -> checkpoint at the next loop boundary -> exit PREEMPTED_EXIT_CODE.
+"""Stopping on request while training: checkpoint at the next loop boundary, then exit.
 
-GCE/TPU maintenance and most schedulers send SIGTERM. The handler only sets a flag (signal
-handlers must not run TF); `PreemptionWatcher`, an `orbit.Action` called eagerly after every
-training loop, saves a checkpoint when the flag is up and raises `PreemptedError`. Under
-MultiWorkerMirroredStrategy the flag is all-reduced (SUM > 0) first, so every worker saves the same step
-together even when only one of them got the signal. A checkpoint therefore always sits on an update
-boundary: the accumulation buffers are zero there and the run resumes bitwise.
+`trainer.shutdown` catches SIGTERM and SIGINT from the first instruction. While training, a
+signal is only noted (`shutdown.deferred()`); `PreemptionWatcher`, an `orbit.Action` called
+eagerly after every training loop, then saves a checkpoint and raises `shutdown.StopRequested`
+(exit 42 for SIGTERM, 130 for SIGINT). Under MultiWorkerMirroredStrategy the note is
+all-reduced (SUM > 0) first, so every worker saves the same update together even when only one
+of them got the signal. A checkpoint therefore always sits on an update boundary: the
+accumulation buffers are zero there and the run resumes bitwise. Latency: one Orbit loop
+(`steps_per_loop` updates).
 
 `tf.distribute.experimental.PreemptionCheckpointHandler` is not used: it raises on Cloud TPU VMs
 and steps per train call, while Orbit runs `steps_per_loop` updates per call; this watcher works
-under every strategy. The latency is one loop (`steps_per_loop` updates).
+under every strategy.
 """
 import contextlib
 import signal
@@ -17,9 +19,7 @@ import signal
 from absl import logging
 import tensorflow as tf
 
-
-class PreemptedError(RuntimeError):
-  """A checkpoint was written because of SIGTERM; rerun the same command to resume."""
+from trainer import shutdown
 
 
 class PeerLostError(RuntimeError):
@@ -27,37 +27,37 @@ class PeerLostError(RuntimeError):
 
 
 class PreemptionWatcher:
-  """Orbit train action: checkpoint and stop once SIGTERM was received (eager, cross-replica)."""
+  """Orbit train action: checkpoint and stop once a signal was noted (eager, cross-replica)."""
 
   def __init__(self, strategy, checkpoint_manager, global_step):
     self._strategy, self._manager, self._global_step = strategy, checkpoint_manager, global_step
-    self._signalled = False
     self._sum_flags = None
-
-  def _on_sigterm(self, signum, frame):  # pylint: disable=unused-argument
-    self._signalled = True
 
   @contextlib.contextmanager
   def installed(self):
-    """Installs the SIGTERM handler for the duration of the block (main thread only)."""
-    previous = signal.signal(signal.SIGTERM, self._on_sigterm)
-    try:
+    """Signals are only noted inside the block; this watcher acts on them at loop ends."""
+    with shutdown.deferred():
       yield self
-    finally:
-      signal.signal(signal.SIGTERM, previous)
 
-  def _anyone_signalled(self) -> bool:
+  def _anyone_signalled(self) -> int:
+    """The noted signal number, or 0; agreed by every worker (a SIGTERM wins over SIGINT)."""
+    signum = shutdown.requested() or 0
     if not isinstance(self._strategy, tf.distribute.MultiWorkerMirroredStrategy):
-      return self._signalled
+      return signum
     if self._sum_flags is None:  # Traced once: eager collectives are slow and noisy.
-      self._sum_flags = tf.function(lambda flag: self._strategy.reduce(
-          tf.distribute.ReduceOp.SUM, self._strategy.run(lambda: flag), axis=None))
-    return bool(self._sum_flags(tf.constant(float(self._signalled))).numpy() > 0)
+      self._sum_flags = tf.function(lambda flags: self._strategy.reduce(
+          tf.distribute.ReduceOp.SUM, self._strategy.run(lambda: flags), axis=None))
+    noted = [float(signum == signal.SIGTERM), float(signum == signal.SIGINT)]
+    term, interrupt = self._sum_flags(tf.constant(noted)).numpy()
+    return signal.SIGTERM if term > 0 else (signal.SIGINT if interrupt > 0 else 0)
 
   def __call__(self, train_output) -> None:  # pylint: disable=unused-argument
-    if not self._anyone_signalled():
+    signum = self._anyone_signalled()
+    if not signum:
       return
     step = int(self._global_step.numpy())
     path = self._manager.save(checkpoint_number=step, check_interval=False)
-    logging.warning("preempted: saved %s at update %d", path, step)
-    raise PreemptedError(f"preempted by SIGTERM; checkpoint written at update {step}, rerun to resume")
+    logging.warning("stopping: saved %s at update %d", path, step)
+    name = "SIGINT" if shutdown.exit_code_for(signum) == 130 else "SIGTERM"
+    raise shutdown.StopRequested(
+        signum, f"stopped by {name}; checkpoint written at update {step}, rerun to resume")

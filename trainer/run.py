@@ -7,6 +7,7 @@ Controller -> mode. The runner knows no dataset: everything about the data comes
 """
 import contextlib
 import json
+import math
 import os
 import shutil
 
@@ -26,19 +27,7 @@ from trainer import preemption
 from trainer import strategies
 from trainer import tasks
 from trainer import validation
-
-
-def _check_workdir(workdir: str) -> None:
-  if workdir.startswith("gs://"):
-    return
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_probe.{os.getpid()}")  # Workers may share workdir.
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise errors.ConfigError(f"`--workdir`={workdir!r} is not writable: {e.strerror}") from None
+from trainer import workdir as workdir_lib
 
 
 def is_chief(strategy) -> tuple[bool, int]:
@@ -84,13 +73,25 @@ def _eval_dataset(config, strategy, source):
   return strategy.distribute_datasets_from_function(dataset_fn), steps
 
 
+def _strict_json(value):
+  """Numbers as JSON allows them: NaN and infinities become null (strict parsers reject them)."""
+  value = json.loads(json.dumps(value, default=float))
+  def clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+      return None
+    if isinstance(v, dict):
+      return {k: clean(x) for k, x in v.items()}
+    return [clean(x) for x in v] if isinstance(v, list) else v
+  return clean(value)
+
+
 def build(config, workdir, task=None):
   """Builds strategy, task, trainer, evaluator and checkpoint manager; restores (eager).
 
   Returns (strategy, trainer, evaluator or None, checkpoint manager, eval steps).
   """
   validation.validate(config)
-  _check_workdir(workdir)
+  workdir_lib.check_writable(workdir)
   if config.deterministic:
     tf.config.experimental.enable_op_determinism()
   keras.utils.set_random_seed(config.seed)
@@ -112,16 +113,13 @@ def build(config, workdir, task=None):
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
   checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
-  latest = tf.train.latest_checkpoint(checkpointing.checkpoint_dir(workdir))
-  if latest:  # Before the datasets exist: they start at the restored data position. (The
-    # Controller restores the same checkpoint again on the chief; that is harmless.)
-    try:
-      with strategy.scope():
-        checkpoint.restore(latest).assert_existing_objects_matched()
-    except (AssertionError, ValueError) as e:
-      raise errors.ConfigError(
-          f"the checkpoint {latest} does not match this config (model, optimizer or "
-          f"mixed_precision changed?); use a fresh `--workdir` ({type(e).__name__})") from None
+  # Before the datasets exist: they start at the restored data position. (The Controller
+  # restores the same checkpoint again on the chief; that is harmless.)
+  latest = checkpointing.restore_newest_intact(
+      checkpoint, checkpointing.checkpoint_dir(workdir), strategy, repair=chief)
+  trainer.restored_checkpoint = latest
+  if latest:
+    workdir_lib.check_resume(config, workdir)
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
   if chief:  # Only once the workdir is known to fit this config.
     with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
@@ -164,12 +162,24 @@ def run(config, workdir: str, task=None) -> dict:
   """Trains, evaluates and/or exports as `config.mode` says; returns the last outputs (eager).
 
   `task`: a `trainer.base_task.Task` instance to use instead of `config.task` (notebooks).
+  Holds the workdir lock (`trainer.workdir.Lock`) for the whole run.
   """
+  validation.validate(config)
+  workdir_lib.check_writable(workdir)
+  with workdir_lib.Lock(workdir, strategies.task_key(config)):
+    return _run(config, workdir, task)
+
+
+def _run(config, workdir: str, task) -> dict:
   strategy, trainer, evaluator, manager, eval_steps = build(config, workdir, task)
   chief = is_chief(strategy)[0]
   if config.mode in ("eval", "continuous_eval") and evaluator is None:
     raise errors.ConfigError(f"`mode`={config.mode} but the task's eval_data() is None; "
                              "allowed: train, export")
+  if config.mode in ("eval", "export") and trainer.restored_checkpoint is None:
+    raise errors.ConfigError(
+        f"`mode`={config.mode} but `--workdir`={workdir!r} holds no checkpoint (in "
+        f"{checkpointing.checkpoint_dir(workdir)}); train first, or check the path")
   summaries = os.path.join(workdir, "summaries")
   watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step)
   controller = orbit.Controller(
@@ -202,10 +212,10 @@ def run(config, workdir: str, task=None) -> dict:
     result["export"] = export.export_model(trainer.task, trainer.model, workdir, step)
   result["global_step"] = step
   result["skipped_updates"] = int(trainer.skipped_updates.numpy())
-  result = json.loads(json.dumps(result, default=float))
+  result = _strict_json(result)
   if chief:
     with tf.io.gfile.GFile(os.path.join(workdir, "result.json"), "w") as f:
-      json.dump(result, f, indent=2)
+      json.dump(result, f, indent=2, allow_nan=False)
   else:
     shutil.rmtree(manager.directory, ignore_errors=True)
   return result

@@ -101,9 +101,17 @@ def _multi_worker(config) -> tf.distribute.Strategy:
     raise errors.ConfigError("`strategy`=multi_worker_mirrored needs the TF_CONFIG environment variable "
                      "(see docs/launch.md or `python -m launch.multi_worker --local=2`).")
   try:
-    cluster = json.loads(tf_config)["cluster"]
-  except (ValueError, KeyError) as e:
+    parsed = json.loads(tf_config)
+    cluster, task = parsed["cluster"], parsed.get("task", {})
+  except (ValueError, KeyError, TypeError) as e:
     raise errors.ConfigError(f"TF_CONFIG is not valid JSON with a `cluster` key: {e}") from None
+  task_type, index = task.get("type", "worker"), task.get("index", 0)
+  members = cluster.get(task_type) if isinstance(cluster, dict) else None
+  if not isinstance(members, list) or not isinstance(index, int) or not 0 <= index < len(members):
+    allowed = {k: len(v) for k, v in cluster.items()} if isinstance(cluster, dict) else cluster
+    raise errors.ConfigError(
+        f"TF_CONFIG task {task_type!r} index {index!r} is not in the cluster {allowed}; allowed: "
+        f"a type of the cluster and an index below its count")
   logging.info("multi-worker cluster: %s", cluster)
   # `peer_timeout_s` bounds only the wait for every worker to arrive. A peer lost later is found
   # by TF's own health check, which aborts the collectives with UnavailableError (exit 43);
@@ -125,15 +133,22 @@ def _tpu(config) -> tf.distribute.Strategy:
   client must leave worker 0's chips to the service: TPU_LOAD_LIBRARY=0 (launch/tpu_vm.py sets it).
   """
   if not config.tpu_address:
-    raise ValueError("`strategy`=tpu needs `tpu_address` (`local` on a TPU VM, or a TPU name).")
-  resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.tpu_address)
-  if config.tpu_address != "local":
-    if os.environ.get("TPU_LOAD_LIBRARY") != "0":
-      logging.warning("`tpu_address`=%s without TPU_LOAD_LIBRARY=0: on a TPU VM this process "
-                      "takes the local chips that the slice's TPU runtime needs.",
-                      config.tpu_address)
-    tf.config.experimental_connect_to_cluster(resolver)
-  tf.tpu.experimental.initialize_tpu_system(resolver)
+    raise errors.ConfigError("`strategy`=tpu needs `tpu_address` (`local` on a TPU VM, or a TPU "
+                             "name)")
+  try:
+    resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=config.tpu_address)
+    if config.tpu_address != "local":
+      if os.environ.get("TPU_LOAD_LIBRARY") != "0":
+        logging.warning("`tpu_address`=%s without TPU_LOAD_LIBRARY=0: on a TPU VM this process "
+                        "takes the local chips that the slice's TPU runtime needs.",
+                        config.tpu_address)
+      tf.config.experimental_connect_to_cluster(resolver)
+    tf.tpu.experimental.initialize_tpu_system(resolver)
+  except (ValueError, RuntimeError, tf.errors.OpError) as e:
+    first = " ".join(str(e).split())[:160]
+    raise errors.ConfigError(
+        f"`strategy`=tpu: no TPU at `tpu_address`={config.tpu_address!r} ({type(e).__name__}: "
+        f"{first}); on a TPU VM use `local`, else the TPU's name") from None
   return tf.distribute.TPUStrategy(resolver)
 
 
@@ -150,6 +165,17 @@ def device_kind(strategy) -> str:
   return "gpu" if devices and all("GPU" in d.upper() for d in devices) else "cpu"
 
 
+def task_key(config) -> str:
+  """"" for one process; "<type>_<index>" of this multi-worker task (from TF_CONFIG); eager."""
+  if config.strategy != "multi_worker_mirrored":
+    return ""
+  try:
+    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
+  except ValueError:
+    return ""  # _multi_worker reports a bad TF_CONFIG with one line.
+  return f"{task.get('type', 'worker')}_{task.get('index', 0)}"
+
+
 def num_workers(strategy) -> int:
   """Worker processes of a MultiWorkerMirroredStrategy cluster (chief included); else 1."""
   resolver = getattr(strategy, "cluster_resolver", None)
@@ -159,19 +185,37 @@ def num_workers(strategy) -> int:
   return max(len(spec.get("worker", [])) + len(spec.get("chief", [])), 1)
 
 
+def _one_device(config) -> tf.distribute.Strategy:
+  """OneDeviceStrategy on `config.device`, which must exist here (no silent CPU fallback)."""
+  device = config.device or ("/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0")
+  available = [d.name for d in tf.config.list_logical_devices()]
+  try:
+    spec = tf.DeviceSpec.from_string(device)
+  except ValueError:
+    spec = None
+  matches = spec is not None and spec.device_type is not None and any(
+      (tf.DeviceSpec.from_string(a).device_type.upper(), tf.DeviceSpec.from_string(a).device_index)
+      == (spec.device_type.upper(), spec.device_index or 0) for a in available)
+  if not matches:
+    short = ", ".join(f"/{tf.DeviceSpec.from_string(a).device_type.lower()}:"
+                      f"{tf.DeviceSpec.from_string(a).device_index}" for a in available)
+    raise errors.ConfigError(f"`device`={device!r} is not a device of this machine; allowed: "
+                             f"{short}")
+  return tf.distribute.OneDeviceStrategy(device)
+
+
 def create_strategy(config) -> tf.distribute.Strategy:
   """Builds the strategy named by `config.strategy` (eager, host)."""
   name = config.strategy
   if name not in STRATEGIES:
-    raise ValueError(f"`strategy`={name!r} unknown; allowed: {', '.join(STRATEGIES)}")
+    raise errors.ConfigError(f"`strategy`={name!r} unknown; allowed: {', '.join(STRATEGIES)}")
   if config.cpu_replicas and name != "mirrored":
-    raise ValueError(f"`cpu_replicas`={config.cpu_replicas} only works with `strategy`=mirrored, "
-                     f"not {name!r}")
+    raise errors.ConfigError(f"`cpu_replicas`={config.cpu_replicas} only works with "
+                             f"`strategy`=mirrored, not {name!r}")
   if name == "default":
     return tf.distribute.get_strategy()
   if name == "one_device":
-    device = config.device or ("/gpu:0" if tf.config.list_physical_devices("GPU") else "/cpu:0")
-    return tf.distribute.OneDeviceStrategy(device)
+    return _one_device(config)
   if name == "mirrored":
     if config.cpu_replicas:
       return mirrored_strategy(_logical_cpus(config.cpu_replicas))

@@ -3,6 +3,8 @@
 `validate(config)` runs eagerly on the host before the strategy, data or model exist;
 `validate_replicas(config, num_replicas)` runs right after the strategy is built.
 """
+import math
+
 from trainer import errors
 from trainer import optimizers
 from trainer import strategies
@@ -34,8 +36,25 @@ def _number(config, field, minimum, integer=True, strict=False):
     raise ConfigError(f"`{field}`={value!r} must be {kind} {relation} {minimum}")
 
 
+def _non_finite(node, prefix=""):
+  """The first field (dotted name, value) holding NaN or an infinity, anywhere in the config."""
+  for key in node.keys():
+    value = node[key]
+    name = f"{prefix}{key}"
+    if hasattr(value, "keys"):
+      found = _non_finite(value, name + ".")
+      if found:
+        return found
+    elif isinstance(value, float) and not math.isfinite(value):
+      return name, value
+  return None
+
+
 def validate(config) -> None:
   """Raises ConfigError for the first bad field."""
+  bad = _non_finite(config)
+  if bad:
+    raise ConfigError(f"`{bad[0]}`={bad[1]!r} must be a finite number")
   _choice(config, "strategy", strategies.STRATEGIES)
   if not isinstance(config.task, str) or not config.task:
     raise ConfigError(f"`task`={config.task!r} must be a built-in task name or an import path "
@@ -56,6 +75,13 @@ def validate(config) -> None:
     _number(config, field, 0)
   _number(config, "optimizer.learning_rate", 0, integer=False, strict=True)
   _number(config, "peer_timeout_s", 0, integer=False, strict=True)
+  _number(config, "skip_window", 1)
+  _number(config, "max_skipped_fraction", 0, integer=False, strict=True)
+  if config.max_skipped_fraction > 1:
+    raise ConfigError(f"`max_skipped_fraction`={config.max_skipped_fraction} must be in (0, 1]")
+  if not isinstance(config.allow_config_change, str):
+    raise ConfigError(f"`allow_config_change`={config.allow_config_change!r} must be a comma "
+                      "separated list of field names")
   _number(config, "collective_timeout_s", 0, integer=False)
   _number(config, "eval_timeout_s", 0, integer=False, strict=True)
   for field in ("optimizer.momentum", "optimizer.weight_decay", "optimizer.global_clipnorm"):

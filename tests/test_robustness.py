@@ -1,0 +1,312 @@
+"""Nothing lost, ever (issue 11): the workdir lock, damaged checkpoints, the resume guard, signals
+from the first second, the command line's one-line errors. Rows of docs/robustness.md.
+
+CLI runs go through `helpers.run_cli` or a Popen this test owns (ended by its PID).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import tensorflow as tf
+
+import helpers
+from trainer import checkpointing
+from trainer import errors
+from trainer import exit_codes
+from trainer import run
+
+RECIPE = "configs/fashion_mnist.py:smoke,synthetic"
+DETERMINISTIC = ("deterministic=True", "mode=train", "export_at_end=False", "steps_per_loop=2",
+                 "checkpoint_every=2")
+
+
+def _error_line(out):
+  lines = out.stderr.strip().splitlines()
+  assert lines and lines[-1].startswith("microstep: error: "), out.stderr[-2000:]
+  assert "Traceback" not in out.stderr, out.stderr[-3000:]
+  return lines[-1][len("microstep: error: "):]
+
+
+def _popen(workdir, *overrides):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+             PYTHONPATH=os.pathsep.join([helpers.REPO, helpers.TESTS]))
+  return subprocess.Popen(
+      [sys.executable, "-m", "trainer.main", f"--config={helpers.REPO}/{RECIPE}",
+       f"--workdir={workdir}"] + [f"--config.{o}" for o in overrides],
+      cwd=helpers.REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, timeout=120):
+  try:
+    _, err = proc.communicate(timeout=timeout)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(timeout=30)
+  return proc.returncode, err
+
+
+def _wait_for(proc, text, timeout=120):
+  """Reads the trainer's stderr until `text` appears; returns what was read."""
+  deadline, seen = time.time() + timeout, []
+  for line in proc.stderr:
+    seen.append(line)
+    if text in line or time.time() > deadline:
+      break
+  return "".join(seen)
+
+
+# ----------------------------------------------------------- the command line, one line -------
+@pytest.mark.parametrize("args,message", [
+    (["--config=/nonexistent/cfg.py"], "`--config`=/nonexistent/cfg.py cannot be loaded: [Errno 2]"),
+    (["--config=SYNTAX"], "invalid syntax (line 1)"),
+    (["--config=RAISES"], "get_config raised RuntimeError: boom in config"),
+    ([f"--config={RECIPE}", "--config.nope=1"],
+     "`--config.nope` is not a field; allowed in the config: accumulation,"),
+    ([f"--config={RECIPE}", "--config.optimizer.lr=1"],
+     "`--config.optimizer.lr` is not a field; allowed in optimizer: beta_1,"),
+    (["--config=configs/fashion_mnist.py:smoke,bogus"],
+     "config arg ['bogus'] unknown; allowed: ['smoke', 'synthetic']"),
+    ([f"--config={RECIPE}", "--config.batch_size=abc"],
+     "flag --config.batch_size=abc: invalid literal for int()"),
+    ([f"--config={RECIPE}", "--workdirx=3"], "Unknown command line flag 'workdirx'"),
+    ([f"--config={RECIPE}", "extra"], "unexpected arguments ['extra']"),
+])
+def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message):
+  (tmp_path / "syntax.py").write_text("def get_config(:\n  pass\n")
+  (tmp_path / "raises.py").write_text("def get_config(arg=None):\n  raise RuntimeError('boom in config')\n")
+  args = [a.replace("SYNTAX", str(tmp_path / "syntax.py")).replace("RAISES", str(tmp_path / "raises.py"))
+          for a in args]
+  if not any(a.startswith("--workdir") for a in args):
+    args.append(f"--workdir={tmp_path / 'w'}")
+  done = subprocess.run(["timeout", "-k", "5", "120", sys.executable, "-m", "trainer.main"] + args,
+                        cwd=helpers.REPO, capture_output=True, text=True, timeout=140, check=False,
+                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+  assert done.returncode == exit_codes.BAD_INPUT_EXIT_CODE, done.stderr[-2000:]
+  assert message in _error_line(done)
+
+
+def test_tf_config_index_beyond_the_cluster_is_one_line(tmp_path):
+  tf_config = {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+               "task": {"type": "worker", "index": 5}}
+  out = helpers.run_cli(tmp_path, RECIPE, "strategy=multi_worker_mirrored", timeout=120,
+                        extra_env={"TF_CONFIG": json.dumps(tf_config)})
+  assert out.returncode == 2
+  assert "TF_CONFIG task 'worker' index 5 is not in the cluster {'worker': 2}" in _error_line(out)
+
+
+# ------------------------------------------------------------------------- the workdir --------
+def test_two_runs_in_one_workdir_second_exits_2_first_finishes_bitwise(tmp_path):
+  long_enough = ("train_steps=600", "steps_per_loop=50", "checkpoint_every=50")
+  solo = helpers.run_cli(tmp_path / "solo", RECIPE, *DETERMINISTIC, *long_enough)
+  assert solo.returncode == 0, solo.stderr[-2000:]
+  first = _popen(tmp_path / "shared", *DETERMINISTIC, *long_enough)
+  try:
+    _wait_for(first, "restoring or initializing model")
+    started = time.time()
+    second = helpers.run_cli(tmp_path / "shared", RECIPE, "seed=1", *DETERMINISTIC,
+                             *long_enough, timeout=60)
+    assert time.time() - started < 30
+    assert second.returncode == 2, second.stderr[-2000:]
+    line = _error_line(second)
+    assert "is in use by a live run (host" in line and f"pid {first.pid}," in line, line
+  finally:
+    code, err = _finish(first)
+  assert code == 0, err[-2000:]
+  helpers.assert_same_weights(tmp_path / "solo", tmp_path / "shared")
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
+  (tmp_path / ".lock").write_text("host gone, pid 999999, started 2026-01-01T00:00:00\n")
+  result = run.run(helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2}), str(tmp_path))
+  assert result["global_step"] == 2
+  assert (tmp_path / ".lock").read_text() == "", "released at the end of the run"
+
+
+def test_checkpoints_being_a_file_is_one_line(tmp_path):
+  (tmp_path / "checkpoints").write_text("not a directory")
+  with pytest.raises(errors.ConfigError, match="holds a file named 'checkpoints'"):
+    run.run(helpers.tiny_config(), str(tmp_path))
+
+
+@pytest.mark.parametrize("mode", ["eval", "export"])
+def test_eval_or_export_on_an_empty_workdir_is_one_line(tmp_path, mode):
+  with pytest.raises(errors.ConfigError, match=f"`mode`={mode} but `--workdir`=.* holds no "
+                                               "checkpoint"):
+    run.run(helpers.tiny_config(mode=mode), str(tmp_path / "typo"))
+
+
+# ----------------------------------------------------------------- damaged checkpoints --------
+def _damage(workdir, how):
+  ckpts = workdir / "checkpoints"
+  newest = ckpts / "ckpt-6"
+  if how == "state_deleted":
+    (ckpts / "checkpoint").unlink()
+  elif how == "state_garbage":
+    (ckpts / "checkpoint").write_text("\x00\x01 not a checkpoint state {{{")
+  elif how == "state_names_missing":
+    (ckpts / "checkpoint").write_text('model_checkpoint_path: "ckpt-99"\n')
+  elif how == "data_truncated":
+    data = next(ckpts.glob("ckpt-6.data-*"))
+    data.write_bytes(data.read_bytes()[:50])
+  elif how == "data_zeroed":
+    data = next(ckpts.glob("ckpt-6.data-*"))
+    data.write_bytes(b"\x00" * len(data.read_bytes()))
+  elif how == "index_missing":
+    (ckpts / "ckpt-6.index").unlink()
+  elif how == "index_garbage":
+    (ckpts / "ckpt-6.index").write_bytes(b"garbage" * 10)
+  return newest
+
+
+@pytest.mark.parametrize("how,resumed_from", [
+    ("state_deleted", 6), ("state_garbage", 6), ("state_names_missing", 6),
+    ("data_truncated", 4), ("data_zeroed", 4), ("index_missing", 4), ("index_garbage", 4)])
+def test_a_damaged_workdir_resumes_from_the_newest_intact_checkpoint(tmp_path, how,
+                                                                     resumed_from):
+  config = lambda steps: helpers.tiny_config(**{"train_steps": steps, "steps_per_loop": 2,
+                                                "checkpoint_every": 2, "mode": "train"})
+  run.run(config(6), str(tmp_path))
+  _damage(tmp_path, how)
+  strategy, trainer = helpers.build(config(8), tmp_path)
+  del strategy
+  assert int(trainer.global_step.numpy()) == resumed_from
+  assert trainer.restored_checkpoint.endswith(f"ckpt-{resumed_from}")
+  state = tf.train.get_checkpoint_state(str(tmp_path / "checkpoints"))
+  assert os.path.basename(state.model_checkpoint_path) == f"ckpt-{resumed_from}"
+  if resumed_from == 4 and how != "index_missing":  # Without its index ckpt-6 is no checkpoint.
+    assert list((tmp_path / "checkpoints" / "damaged").glob("ckpt-6.*")), "kept, set aside"
+
+
+@pytest.mark.parametrize("how", ["state_deleted", "data_truncated"])
+def test_rerun_after_damage_finishes_bitwise_equal_to_an_uninterrupted_run(tmp_path, how):
+  solo = helpers.run_cli(tmp_path / "solo", RECIPE, "train_steps=10", *DETERMINISTIC)
+  assert solo.returncode == 0, solo.stderr[-2000:]
+  first = helpers.run_cli(tmp_path / "damaged", RECIPE, "train_steps=6", *DETERMINISTIC)
+  assert first.returncode == 0, first.stderr[-2000:]
+  _damage(tmp_path / "damaged", how)
+  rerun = helpers.run_cli(tmp_path / "damaged", RECIPE, "train_steps=10", *DETERMINISTIC)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  expected = "at update 6" if how == "state_deleted" else "at update 4"
+  assert expected in rerun.stderr
+  if how == "data_truncated":
+    warnings = [l for l in rerun.stderr.splitlines() if "skipped damaged checkpoint" in l]
+    assert len(warnings) == 1 and "ckpt-6" in warnings[0], warnings
+  helpers.assert_same_weights(tmp_path / "solo", tmp_path / "damaged")
+
+
+def test_no_readable_checkpoint_is_one_line_and_nothing_is_overwritten(tmp_path):
+  run.run(helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "checkpoint_every": 2,
+                                 "mode": "train"}), str(tmp_path))
+  data = next((tmp_path / "checkpoints").glob("ckpt-2.data-*"))
+  data.write_bytes(b"\x00" * 10)
+  before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+  with pytest.raises(errors.ConfigError, match="no checkpoint in .* reads back"):
+    run.run(helpers.tiny_config(**{"train_steps": 4, "mode": "train"}), str(tmp_path))
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+  assert data.read_bytes() == b"\x00" * 10
+
+
+def test_a_full_disk_during_a_save_has_its_own_exit_code(tmp_path):
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+             PYTHONPATH=os.pathsep.join([helpers.REPO, helpers.TESTS]))
+  done = subprocess.run(
+      ["timeout", "-k", "5", "240", sys.executable, os.path.join(helpers.TESTS, "crash_worker.py"),
+       "disk_full:4", f"--config={helpers.REPO}/{RECIPE}", f"--workdir={tmp_path}",
+       "--config.train_steps=8"] + [f"--config.{o}" for o in DETERMINISTIC],
+      cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=260, check=False)
+  assert done.returncode == exit_codes.CHECKPOINT_WRITE_FAILED_EXIT_CODE, done.stderr[-2000:]
+  line = _error_line(done)
+  assert "cannot write a checkpoint" in line and "disk full?" in line and "ckpt-2" in line
+  latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+  assert latest.endswith("ckpt-2")
+  tf.train.load_checkpoint(latest)
+
+
+# -------------------------------------------------------------------------- resume guard -------
+def test_resuming_with_a_different_batch_size_is_refused_naming_it(tmp_path):
+  first = helpers.run_cli(tmp_path, RECIPE, "train_steps=4", "batch_size=32", *DETERMINISTIC)
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = helpers.run_cli(tmp_path, RECIPE, "train_steps=8", "batch_size=64", *DETERMINISTIC)
+  assert second.returncode == 2
+  line = _error_line(second)
+  assert "with a changed `batch_size` (32 -> 64)" in line
+  assert "--config.allow_config_change=batch_size" in line
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-4")
+
+
+def test_resume_guard_fields(tmp_path):
+  base = {"train_steps": 2, "steps_per_loop": 2, "checkpoint_every": 2, "mode": "train"}
+  run.run(helpers.tiny_config(**base), str(tmp_path))
+  for field, value in (("seed", 7), ("optimizer.name", "sgd"), ("accumulation.steps", 2)):
+    with pytest.raises(errors.ConfigError, match=f"changed `{field}`"):
+      run.run(helpers.tiny_config(**dict(base, train_steps=4, **{field: value})), str(tmp_path))
+  # Safe changes stay free: more updates, another learning rate, two replicas.
+  result = run.run(helpers.tiny_config(**dict(
+      base, train_steps=4, **{"optimizer.learning_rate": 0.01, "strategy": "mirrored",
+                              "cpu_replicas": 2})), str(tmp_path))
+  assert result["global_step"] == 4
+  # And a meaningful change, once allowed.
+  result = run.run(helpers.tiny_config(**dict(base, train_steps=6, seed=7,
+                                              allow_config_change="seed")), str(tmp_path))
+  assert result["global_step"] == 6
+
+
+# ------------------------------------------------------------------------------ signals -------
+def test_sigterm_one_second_after_start_exits_42_and_the_rerun_finishes_bitwise(tmp_path):
+  solo = helpers.run_cli(tmp_path / "solo", RECIPE, "train_steps=8", *DETERMINISTIC)
+  assert solo.returncode == 0, solo.stderr[-2000:]
+  proc = _popen(tmp_path / "stopped", "train_steps=8", *DETERMINISTIC)
+  time.sleep(1.0)
+  proc.send_signal(signal.SIGTERM)
+  code, err = _finish(proc, timeout=60)
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert err.strip().splitlines()[-1].startswith("microstep: error: stopped by SIGTERM")
+  rerun = helpers.run_cli(tmp_path / "stopped", RECIPE, "train_steps=8", *DETERMINISTIC)
+  assert rerun.returncode == 0, rerun.stderr[-2000:]
+  helpers.assert_same_weights(tmp_path / "solo", tmp_path / "stopped")
+
+
+def test_sigint_writes_a_checkpoint_and_exits_130(tmp_path):
+  proc = _popen(tmp_path, "train_steps=100000", *DETERMINISTIC)
+  _wait_for(proc, "train step")
+  proc.send_signal(signal.SIGINT)
+  code, err = _finish(proc, timeout=60)
+  assert code == exit_codes.INTERRUPTED_EXIT_CODE, err[-2000:]
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("microstep: error: stopped by SIGINT; checkpoint written at update")
+  assert "KeyboardInterrupt" not in err and "Traceback" not in err
+  step = int(last.split("at update ")[1].split(",")[0])
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"ckpt-{step}")
+
+
+def test_sigterm_while_evaluating_continuously_exits_42(tmp_path):
+  trained = helpers.run_cli(tmp_path, RECIPE, "train_steps=2", *DETERMINISTIC)
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  proc = _popen(tmp_path, "mode=continuous_eval", "eval_timeout_s=120")
+  _wait_for(proc, "eval | step")
+  proc.send_signal(signal.SIGTERM)
+  code, err = _finish(proc, timeout=60)
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+
+
+# ---------------------------------------------------------------------------- divergence ------
+def test_skips_above_a_fraction_of_recent_updates_stop_the_run(tmp_path):
+  config = helpers.tiny_config(**{"task": "example_tasks:Flaky", "data.shuffle": False,
+                                  "train_steps": 30, "steps_per_loop": 3, "skip_window": 6,
+                                  "max_skipped_fraction": 0.5, "max_consecutive_skips": 20,
+                                  "mode": "train"})
+  with pytest.raises(FloatingPointError, match=r"of the last \d+ updates had non-finite loss"):
+    run.run(config, str(tmp_path))
+
+
+def test_result_json_is_strict_json(tmp_path):
+  assert run._strict_json({"a": float("nan"), "b": [float("inf"), 1.0]}) == {  # pylint: disable=protected-access
+      "a": None, "b": [None, 1.0]}
+  run.run(helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2}), str(tmp_path))
+  text = (tmp_path / "result.json").read_text()
+  json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))

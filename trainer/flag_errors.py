@@ -1,0 +1,91 @@
+"""Command-line errors as one line: what absl and ml_collections raise while parsing the flags.
+
+`parse(argv)` is the `flags_parser` of `absl.app.run` in `trainer.main`: it parses the flags,
+which loads the `--config` file and applies `--config.FIELD=VALUE` overrides, and turns every
+failure (a missing or broken config file, a config that raises, an unknown variant or field, a
+value of the wrong type, an unknown flag) into `microstep: error: ...` and exit code 2. Eager,
+host, free of TensorFlow imports.
+"""
+import importlib.util
+import re
+import sys
+
+from absl import flags
+
+from trainer import exit_codes
+
+
+def fail(message: str, code: int = exit_codes.BAD_INPUT_EXIT_CODE):
+  """Prints one line and exits (the command line's only way to report an error)."""
+  line = " ".join(str(message).split())  # One line, whatever the message held.
+  print(f"microstep: error: {line}", file=sys.stderr, flush=True)
+  sys.exit(code)
+
+
+def _config_arg(argv) -> str:
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return ""
+
+
+def _overrides(argv) -> list:
+  return [a[len("--config."):].split("=", 1)[0] for a in argv if a.startswith("--config.")]
+
+
+def _load(config_arg):
+  """The config the file builds, loaded as ml_collections does (for listing field names)."""
+  path, _, arg = config_arg.partition(":")
+  spec = importlib.util.spec_from_file_location("microstep_config_for_errors", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()
+
+
+def _unknown_field(argv) -> str:
+  """`--config.a.b`: one line naming the first override that is not a field, and the allowed."""
+  try:
+    config = _load(_config_arg(argv))
+  except Exception:  # pylint: disable=broad-except
+    return ""
+  for override in _overrides(argv):
+    node, walked = config, []
+    for part in override.split("."):
+      keys = list(node.keys()) if hasattr(node, "keys") else []
+      if part not in keys:
+        where = ".".join(walked) or "the config"
+        return (f"`--config.{override}` is not a field; allowed in {where}: "
+                f"{', '.join(sorted(keys))}")
+      node, walked = node[part], walked + [part]
+  return ""
+
+
+def _describe(error, argv) -> str:
+  config_arg = _config_arg(argv)
+  text = str(error)
+  if isinstance(error, SyntaxError):
+    return f"`--config`={config_arg}: {error.msg} (line {error.lineno})"
+  if "Failed loading config file" in text:
+    reason = re.findall(r"\[Errno \d+\][^\n]*", text)
+    return f"`--config`={config_arg} cannot be loaded: {reason[-1] if reason else 'no such file'}"
+  if isinstance(error, (AttributeError, KeyError)):
+    return _unknown_field(argv) or f"`--config` override refers to an unknown field {text}"
+  if "Error whilst parsing config file" in text:  # get_config raised; its last line says why.
+    lines = [l.strip() for l in text.splitlines() if l.strip()]
+    return f"`--config`={config_arg}: {lines[-1]}"
+  if isinstance(error, flags.Error):
+    return text
+  return f"`--config`={config_arg}: get_config raised {type(error).__name__}: {text}"
+
+
+def parse(argv):
+  """`absl.app.run` flags parser: parses, or fails with one line and exit code 2."""
+  try:
+    remaining = flags.FLAGS(argv)
+    if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+      list(flags.FLAGS["config"].value.keys())  # A config that failed to load raises only now.
+    return remaining
+  except Exception as e:  # pylint: disable=broad-except
+    fail(_describe(e, argv))
