@@ -1,0 +1,125 @@
+"""A `Term`: what one recorded layer call contributes to one variable's per-example gradient.
+
+Pure tensor functions; they run eagerly or traced, in any replica context, and never
+communicate. Every direct formula in `layers.py` and `conv.py` is expressed as terms.
+
+A recorded call produces an output z (the layer's pre-activation, or any tensor the formulas
+need) whose gradient dz = d(sum_i c_i loss_i)/dz the caller obtains from its own backward pass;
+row i of dz belongs to example i alone. A term turns dz into:
+
+* `grads(dz)`: the per-example gradients [B, *var.shape] (materialised);
+* `gram_norms(dz)` (optional): their squared norms [B] without materialising them;
+* `batch_sum(dz)` (optional): sum_i g_i without materialising the g_i;
+* `dots(dz, g)` (optional): their dot products with a given gradient g [B], without
+  materialising them. Where this exists it is <forward(x; g), dz>: the recorded outputs are
+  linear in the variable, so replacing the variable by g in the forward formula and taking the
+  per-example inner product with dz gives <g_i, g>.
+
+Most per-example gradients are linear maps of a sum over positions t of an outer product,
+g_i = sum_t a_it b_it^T with a_i [T, K] and b_i [T, O] (`outer_term`). Its squared norm is then
+either |g_i|^2 after materialising g_i (T K O multiply-adds, K O floats kept per example) or,
+the Gram trick, <a_i a_i^T, b_i b_i^T> (T^2 (K + O) multiply-adds, nothing kept; for T = 1 just
+|a_i|^2 |b_i|^2). `costs` carries both estimates per example so the caller can choose.
+"""
+import dataclasses
+from typing import Callable
+
+import tensorflow as tf
+
+# Extra cost per kept float of a materialised per-example gradient (written once, read for the
+# norm, the batch sum and the later dot), in multiply-add units. Measured on 2 CPU cores: the
+# small CNN's Dense 1600x128 (T = 1) is cheaper by Gram; sequence layers with T >= 8 and small
+# K O (the text Transformer's projections) are cheaper materialised.
+KEPT_FLOAT_COST = 8.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+  """One variable's per-example gradient from one recorded output.
+
+  Attributes:
+    output: index of the recorded output whose gradient dz drives this term.
+    grads: dz -> [B, *var.shape] float32 per-example gradients.
+    gram_norms: dz -> [B] squared norms without materialising, or None.
+    dots: (dz, g) -> [B] dot products with g (shaped like the variable), or None.
+    batch_sum: dz -> sum_i g_i (shaped like the variable) without materialising, or None.
+    costs: per-example (materialise, ghost) cost estimates, or None (then materialise).
+  """
+  output: int
+  grads: Callable
+  gram_norms: Callable | None = None
+  dots: Callable | None = None
+  batch_sum: Callable | None = None
+  costs: tuple | None = None
+
+  @property
+  def prefers_ghost(self) -> bool:
+    return (self.gram_norms is not None and self.costs is not None
+            and self.costs[1] < self.costs[0])
+
+
+def flat(t):
+  """[B, ...] -> [B, N] float32."""
+  return tf.reshape(tf.cast(t, tf.float32), [tf.shape(t)[0], -1])
+
+
+def reduce_term(output, shape, reduce_axes, weight=None):
+  """Per-example gradient sum over `reduce_axes` of dz (times `weight`), reshaped to `shape`.
+
+  Biases (`weight` None) and normalisation scales (`weight` = the normalised input).
+  """
+  def grads(dz):
+    prod = dz if weight is None else dz * weight
+    summed = tf.reduce_sum(prod, axis=reduce_axes) if reduce_axes else prod
+    return tf.reshape(summed, tf.concat([tf.shape(dz)[:1], shape], 0))
+  return Term(output, grads)
+
+
+def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None):
+  """Per-example kernel gradient g_i = sum_t a_it b_it^T, reshaped to `kernel_shape`.
+
+  Args:
+    output: the recorded output index.
+    pair: dz -> (a [B, T, K], b [B, T, O]) float32.
+    kernel_shape: the variable's shape (K O elements, in row-major (K, O) order).
+    forward: w -> the recorded output's part that is linear in the variable, at value w
+      (float32); used for `dots`.
+    sizes: static (T, K, O); T may be None (unknown sequence length: always materialise).
+    materialize: optional faster dz -> [B, *kernel_shape] replacing the batched matmul.
+  """
+  steps, k, o = sizes
+  kernel_shape = list(kernel_shape)
+
+  def grads(dz):
+    if materialize is not None:
+      return materialize(dz)
+    a, b = pair(dz)
+    if steps == 1:  # Outer products: [B, K, 1] x [B, 1, O].
+      g = tf.matmul(a[:, 0, :, None], b[:, 0, None, :])
+    else:
+      g = tf.matmul(a, b, transpose_a=True)
+    return tf.reshape(g, [-1] + kernel_shape)
+
+  def gram_norms(dz):
+    a, b = pair(dz)
+    if steps == 1:
+      return tf.reduce_sum(tf.square(a), [1, 2]) * tf.reduce_sum(tf.square(b), [1, 2])
+    return tf.reduce_sum(
+        tf.matmul(a, a, transpose_b=True) * tf.matmul(b, b, transpose_b=True), [1, 2])
+
+  def batch_sum(dz):
+    a, b = pair(dz)
+    return tf.reshape(tf.matmul(tf.reshape(a, [-1, k]), tf.reshape(b, [-1, o]), transpose_a=True),
+                      kernel_shape)
+
+  costs = None
+  if steps is not None:
+    costs = (steps * k * o + KEPT_FLOAT_COST * k * o, steps * steps * (k + o) + steps * k * o)
+  return Term(output, grads, gram_norms, forward_dots(forward), batch_sum, costs)
+
+
+def forward_dots(forward):
+  """(dz, g) -> [B] per-example <forward(g), dz> summed over all but the batch axis."""
+  def dots(dz, g):
+    return tf.reduce_sum(flat(forward(tf.cast(g, tf.float32))) * flat(dz), axis=1)
+  return dots
