@@ -57,6 +57,12 @@ def spatial_sizes(t):
   return [d if d is not None else dynamic[k + 1] for k, d in enumerate(t.shape[1:-1])]
 
 
+def positions(t):
+  """Static number of spatial positions of a channels_last tensor, or None."""
+  dims = t.shape[1:-1]
+  return None if any(d is None for d in dims) else math.prod(dims)
+
+
 def shifted(x, geom, out_sizes, channels_first=False):
   """Per kernel tap (row-major), the input pixels that tap multiplies, lined up with outputs.
 
@@ -85,34 +91,44 @@ def shifted(x, geom, out_sizes, channels_first=False):
 def unfold(x, geom, out_sizes):
   """[B, P, taps * C] patches, in the (taps, C) order of a kernel [*kernel_size, C, ...]."""
   cols = tf.concat(list(shifted(x, geom, out_sizes)), axis=-1)
-  return tf.reshape(cols, [tf.shape(x)[0], -1, math.prod(geom.kernel_size) * x.shape[-1]])
+  return terms.rows(cols, [positions(cols), math.prod(geom.kernel_size) * x.shape[-1]])
 
 
-def filter_grads(inputs, out_grads, geom):
-  """Per-example [B, taps * C, O] = sum_p patches(inputs)_p^T out_grads_p (channels_last)."""
-  batch = tf.shape(inputs)[0]
+def filter_grad_blocks(inputs, out_grads, geom):
+  """Per-example sum_p patches(inputs)_p^T out_grads_p (channels_last), as row-major pieces.
+
+  Yields [B, n] float32 pieces: with few input channels one piece [B, taps * C * O] (one matmul
+  over stacked channels-first patches), else one [B, C * O] piece per kernel tap (one batched
+  matmul each). A generator: each tap's slice is taken when the consumer asks for it, inside the
+  consumer's control dependencies, so a consumer can bound how many taps are alive at once.
+  """
   channels, filters = inputs.shape[-1], out_grads.shape[-1]
   out_sizes = spatial_sizes(out_grads)
-  g3 = tf.reshape(out_grads, [batch, -1, filters])
+  steps = positions(out_grads)
+  g3 = terms.rows(out_grads, [steps, filters])
   if channels <= STACKED_MAX_CHANNELS:
     rank = inputs.shape.rank
     nc = tf.transpose(inputs, [0, rank - 1] + list(range(1, rank - 1)))
-    cols = tf.stack([tf.reshape(s, [batch, channels, -1])
+    cols = tf.stack([terms.rows(s, [channels, steps])
                      for s in shifted(nc, geom, out_sizes, channels_first=True)], axis=1)
-    return tf.matmul(tf.reshape(cols, [batch, -1, tf.shape(g3)[1]]), g3)
-  per_tap = [tf.matmul(tf.reshape(s, [batch, -1, channels]), g3, transpose_a=True)
-             for s in shifted(inputs, geom, out_sizes)]
-  return tf.reshape(tf.stack(per_tap, axis=1), [batch, -1, filters])
+    taps = math.prod(geom.kernel_size)
+    g = tf.matmul(terms.rows(cols, [taps * channels, steps]), g3)
+    yield terms.rows(g, [taps * channels * filters])
+    return
+  for tap in shifted(inputs, geom, out_sizes):
+    product = tf.matmul(terms.rows(tap, [steps, channels]), g3, transpose_a=True)
+    yield terms.rows(product, [channels * filters])
 
 
 def _add_bias(layer, rec, z):
-  """z + bias, watched; registers the bias term. Returns (z, its recorded index)."""
-  if not layer.use_bias:
-    return z, rec.watch(z)
-  z = z + ops.reshape(layer.bias, (1,) * (z.shape.rank - 1) + (-1,))
+  """Watches z (before the bias: same gradient, and the forward graph stays Keras' own, which
+  grappler fuses into conv+bias+activation), then adds the bias as Keras does and registers its
+  term. Returns (z + bias, index of z)."""
   index = rec.watch(z)
+  if not layer.use_bias:
+    return z, index
   rec.add(layer.bias, terms.reduce_term(index, layer.bias.shape, list(range(1, z.shape.rank - 1))))
-  return z, index
+  return ops.add(z, ops.reshape(layer.bias, (1,) * (z.shape.rank - 1) + (-1,))), index
 
 
 def _activate(layer, z):
@@ -127,11 +143,14 @@ def _kernel_outer_term(index, kernel, x, geom, forward, sizes, transposed=False)
   def pair(dz):
     patches, other = roles(dz)
     return (unfold(patches, geom, spatial_sizes(other)),
-            tf.reshape(other, [tf.shape(other)[0], -1, other.shape[-1]]))
+            terms.rows(other, [positions(other), other.shape[-1]]))
+
+  def blocks(dz):
+    return filter_grad_blocks(*roles(dz), geom)
 
   def materialize(dz):
-    return tf.reshape(filter_grads(*roles(dz), geom), [-1] + list(kernel.shape))
-  return terms.outer_term(index, pair, kernel.shape, forward, sizes, materialize)
+    return tf.reshape(tf.concat(list(blocks(dz)), axis=1), [-1] + list(kernel.shape))
+  return terms.outer_term(index, pair, kernel.shape, forward, sizes, materialize, blocks)
 
 
 # --------------------------------------------------------------------- Conv1D/2D/3D ----------
@@ -154,12 +173,6 @@ def _conv_call(layer, inputs, rec):
   rec.add(layer.kernel, _kernel_outer_term(index, layer.kernel, x, geom, lambda w: conv(x, w),
                                            sizes))
   return _activate(layer, z)
-
-
-def positions(t):
-  """Static number of spatial positions of a channels_last tensor, or None."""
-  dims = t.shape[1:-1]
-  return None if any(d is None for d in dims) else math.prod(dims)
 
 
 # ------------------------------------------------------------------ Conv*DTranspose ----------
@@ -187,11 +200,11 @@ def _depthwise_term(index, kernel, x, geom):
   channels, multiplier = kernel.shape[-2], kernel.shape[-1]
 
   def grads(du):
-    batch = tf.shape(du)[0]
-    du4 = tf.reshape(du, [batch, -1, channels, multiplier])
-    per_tap = [tf.einsum("bpc,bpcm->bcm", tf.reshape(s, [batch, -1, channels]), du4)
+    steps = positions(du)
+    du4 = terms.rows(du, [steps, channels, multiplier])
+    per_tap = [tf.einsum("bpc,bpcm->bcm", terms.rows(s, [steps, channels]), du4)
                for s in shifted(x, geom, spatial_sizes(du))]
-    return tf.reshape(tf.stack(per_tap, axis=1), [batch] + list(kernel.shape))
+    return terms.rows(tf.stack(per_tap, axis=1), list(kernel.shape))
   return terms.Term(index, grads)
 
 
@@ -219,8 +232,8 @@ def _separable_call(layer, inputs, rec):
   uf = tf.cast(u, tf.float32)
 
   def pair(dz):
-    batch = tf.shape(dz)[0]
-    return tf.reshape(uf, [batch, -1, width]), tf.reshape(dz, [batch, -1, layer.filters])
+    steps = positions(dz)
+    return terms.rows(uf, [steps, width]), terms.rows(dz, [steps, layer.filters])
 
   forward = lambda w: tf.matmul(uf, tf.reshape(w, (width, layer.filters)))
   rec.add(pointwise, terms.outer_term(index, pair, pointwise.shape, forward,

@@ -1,9 +1,15 @@
 """Ghost statistics terms: per-example squared norms now, dots with a gradient known later.
 
-    rec, dzs = ...                               # recording.py: the caller's forward/backward
-    terms = ghost_norms(rec, dzs, general_grads=recorder.general_gradients(loss_fn, batch))
+    recorder = Recorder(model)
+    with tf.GradientTape() as tape:
+      with recorder.record(tape) as rec:         # recording.py: the caller's own forward
+        losses = loss_fn(model, batch)
+      loss = tf.reduce_sum(c * losses)
+    grads, dzs = tape.gradient(loss, (variables, rec.outputs))    # the caller's ONE backward
+    terms = ghost_norms(rec, dzs, example_scale=c,
+                        general_grads=recorder.general_gradients(loss_fn, batch))
     terms.sq_norms                               # [B, V] per-variable |g_iv|^2
-    ... all-reduce, e.g. of terms.batch_sums (or the caller's own gradient) ...
+    ... all-reduce (e.g. of the caller's gradient, or `terms.packed_sums`) ...
     dots = terms.dots(global_grads)              # [B] <g_i, G>, G one tensor per variable
 
 Per variable, one of:
@@ -12,10 +18,13 @@ Per variable, one of:
   (`terms.py`), the batch sum by the contraction over batch and positions (what backprop
   computes). Nothing of size [B, P_layer] is formed.
 * materialised (small layers, normalisation scales, biases, depthwise kernels, layers called
-  more than once): the layer's per-example gradients [B, P_layer] are formed and kept until
-  `dots`; norms, batch sums and dots are read from them. The per-layer choice bounds their size
-  by the layer's activations (`terms.KEPT_FLOAT_COST`).
-* general (`general_grads`, from the general path): materialised like the above.
+  more than once, general-path variables from `general_grads`): the per-example gradients of
+  that variable are formed, as row-major pieces (`Term.blocks`, e.g. one per kernel tap), and
+  reduced piece by piece. The pieces are kept until `dots` unless `self_dots=True`: then the
+  dots with this batch's own gradient sum are computed in the same pass and nothing is kept (one
+  replica: the global gradient is the local one).
+The per-layer choice (`terms.KEPT_FLOAT_COST`) bounds the materialised size by the layer's
+activations.
 
 `example_scale` c_i: when the caller's loss is sum_i c_i loss_i (e.g. weights / global count),
 the recorded dz rows are c_i g_i; they are divided by c_i (0 where c_i = 0) so that every
@@ -23,37 +32,74 @@ quantity describes g_i = grad loss_i. General-path gradients are already unscale
 Eager or traced, replica or cross-replica context; no communication. Call `dots` in the same
 function (trace) as `ghost_norms`: it reuses the recorded tensors.
 """
+import numpy as np
 import tensorflow as tf
 
+from trainer.per_example import general
 from trainer.per_example import terms as terms_lib
+
+def _batch_dot(a, b):
+  """[B, n] x [n] -> [B] (elementwise, see `combine`)."""
+  return tf.reduce_sum(a * b, axis=1)
 
 
 class GhostTerms:
-  """Per-example squared norms of one batch, and `dots` against a gradient given later.
+  """Per-example squared norms of one batch, its gradient sum, and dots against a gradient.
 
   Attributes:
-    sq_norms: [B, V] float32, |g_iv|^2 per example and variable (order of `rec.recorder.variables`).
-    batch_sums: per variable, sum_i g_iv (float32, variable-shaped): the batch gradient of
-      sum_i loss_i (unused ones cost nothing inside tf.function: pruned).
-    ghost_indices: the variables whose norms and dots use Gram and forward forms.
+    sq_norms: [B, V] float32 |g_iv|^2 per example and variable (order of the recorder's
+      `variables`).
+    packed_sums: [P] float32 sum_i g_i of every variable, flattened and concatenated in the
+      order of `order` (what a packed all-reduce carries).
+    order: variable indices in packing order; `sizes`: their numbers of elements.
+    self_dots: [B] <g_i, sum_j g_j> when built with `self_dots=True`, else None.
+    ghost_indices: variables whose norms and dots use Gram and forward forms.
   """
 
-  def __init__(self, sq_norms, batch_sums, ghost, kept, output_grads):
-    self.sq_norms = sq_norms
-    self.batch_sums = batch_sums
+  def __init__(self, variables, sq_norms, packed_sums, order, kept, ghost, self_dots):
+    self.sq_norms, self.packed_sums, self.self_dots = sq_norms, packed_sums, self_dots
+    self.order = order
+    self.sizes = [int(np.prod(variables[i].shape)) for i in order]
     self.ghost_indices = sorted(ghost)
-    self._ghost, self._kept, self._output_grads = ghost, kept, output_grads
+    self._variables = variables
+    self._kept, self._ghost = kept, ghost
 
+  def unpack(self, packed):
+    """A packed [P] vector (e.g. the all-reduced sums) -> one tensor per variable, var order."""
+    pieces = tf.split(packed, self.sizes)
+    out = [None] * len(self._variables)
+    for i, piece in zip(self.order, pieces):
+      out[i] = tf.reshape(piece, self._variables[i].shape)
+    return out
+
+  @property
+  def batch_sums(self):
+    """sum_i g_iv per variable, in variable order."""
+    return self.unpack(self.packed_sums)
+
+  @general.no_autograph
   def dots(self, grads) -> tf.Tensor:
-    """[B] per-example <g_i, G> with G given as one tensor per variable (e.g. all-reduced)."""
-    parts = []
-    for index, g in enumerate(grads):
-      if index in self._kept:
-        parts.append(tf.linalg.matvec(self._kept[index],
-                                      tf.reshape(tf.cast(g, tf.float32), [-1])))
-      elif index in self._ghost:
-        term = self._ghost[index]
-        parts.append(term.dots(self._output_grads[term.output], g))
+    """[B] per-example <g_i, G>, G given as one tensor per variable (variable order)."""
+    return self.dots_packed(tf.concat(
+        [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in self.order], axis=0))
+
+  @general.no_autograph
+  def dots_packed(self, packed) -> tf.Tensor:
+    """[B] per-example <g_i, G>, G given packed in `order` (e.g. the all-reduced vector)."""
+    if self._kept is None:
+      raise ValueError("GhostTerms built with self_dots=True kept no per-example pieces; "
+                       "use `self_dots`, or build with self_dots=False.")
+    parts, offset = [], 0
+    for piece in self._kept:
+      width = int(piece.shape[1])
+      parts.append(_batch_dot(piece, packed[offset:offset + width]))
+      offset += width
+    for i in self.order[len(self.order) - len(self._ghost):]:
+      term, dz = self._ghost[i]
+      size = int(np.prod(self._variables[i].shape))
+      parts.append(term.dots(dz, tf.reshape(packed[offset:offset + size],
+                                            self._variables[i].shape)))
+      offset += size
     return tf.add_n(parts)
 
 
@@ -65,8 +111,65 @@ def _scaled(output_grads, example_scale):
   return [g * tf.reshape(inverse, [-1] + [1] * (g.shape.rank - 1)) for g in grads]
 
 
+def combine(variables, materialised, ghost, self_dots) -> GhostTerms:
+  """GhostTerms from per-variable pieces.
+
+  Args:
+    variables: all variables (defines V and the column order of `sq_norms`).
+    materialised: {index: iterable of [B, n_k] float32 row-major pieces}; a piece is created
+      (generators) after the previous piece of the same variable is reduced.
+    ghost: {index: (term, dz)} for Gram/forward variables.
+    self_dots: compute <g_i, sum_j g_j> now and keep nothing (see the module docstring).
+
+  Reductions use elementwise products and sums rather than matmuls: every new matmul shape
+  costs oneDNN a compiled kernel (~1 MiB each), a fixed price that would dominate small models.
+  """
+  order = sorted(materialised) + sorted(ghost)
+  columns, sums, dots, kept = {}, [], [], []
+  for i in sorted(materialised):
+    parts, pieces, done = [], iter(materialised[i]), []
+    while True:
+      with tf.control_dependencies(done):  # One piece (e.g. kernel tap) at a time.
+        piece = next(pieces, None)
+      if piece is None:
+        break
+      parts.append(tf.reduce_sum(tf.square(piece), axis=1))
+      sums.append(tf.reduce_sum(piece, axis=0))
+      done = [parts[-1], sums[-1]]
+      if self_dots:
+        dots.append(_batch_dot(piece, sums[-1]))
+        done.append(dots[-1])
+      else:
+        kept.append(piece)
+    columns[i] = parts[0] if len(parts) == 1 else tf.add_n(parts)
+  for i in sorted(ghost):
+    term, dz = ghost[i]
+    columns[i] = term.gram_norms(dz)
+    total = term.batch_sum(dz)
+    sums.append(tf.reshape(total, [-1]))
+    if self_dots:
+      dots.append(term.dots(dz, total))
+  sq_norms = tf.stack([columns[i] for i in range(len(variables))], axis=1)
+  return GhostTerms(variables, sq_norms, tf.concat(sums, axis=0), order,
+                    None if self_dots else kept, {i: ghost[i] for i in sorted(ghost)},
+                    tf.add_n(dots) if self_dots else None)
+
+
+def variable_pieces(term_list, dzs, size, shape):
+  """Row-major per-example pieces of one recorded variable (sum of its terms), lazily."""
+  n = int(np.prod(shape))
+  if len(term_list) == 1 and term_list[0].blocks is not None:
+    yield from term_list[0].blocks(dzs[term_list[0].output])
+  elif not term_list:  # Layer not called by this loss: zero gradient.
+    yield tf.zeros(tf.stack([size, n]), tf.float32)
+  else:
+    grads = [t.grads(dzs[t.output]) for t in term_list]
+    yield tf.reshape(grads[0] if len(grads) == 1 else tf.add_n(grads), [-1, n])
+
+
+@general.no_autograph
 def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
-                batch_size=None) -> GhostTerms:
+                batch_size=None, self_dots=False) -> GhostTerms:
   """Per-example squared norms for every variable of `rec.recorder`, without [B, P].
 
   Args:
@@ -74,7 +177,9 @@ def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
     output_grads: gradients of the loss w.r.t. `rec.outputs`, from the same backward pass.
     general_grads: [B, *shape] per `rec.recorder.general_variables` (required when any).
     example_scale: optional [B] c_i, see the module docstring.
-    batch_size: B, needed only when nothing was recorded and there are no general variables.
+    batch_size: B, needed only when a recorded variable's layer was not called at all and
+      nothing else was recorded.
+    self_dots: also compute `self_dots`, <g_i, sum_j g_j>, and keep nothing for `dots`.
   """
   recorder = rec.recorder
   general_grads = list(general_grads or [])
@@ -85,20 +190,9 @@ def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
         f"`Recorder.general_gradients`; got {len(general_grads)} tensors.")
   dzs = _scaled(output_grads, example_scale)
   size = batch_size if rec.batch_size is None else rec.batch_size
-  ghost = {i: rec.terms[i][0] for i in rec.ghost_indices()}
-  kept = {}
-  for i, g in zip(recorder.general_indices, general_grads):
-    kept[i] = terms_lib.flat(g)
-  for i in rec.terms:
+  ghost = {i: (rec.terms[i][0], dzs[rec.terms[i][0].output]) for i in rec.ghost_indices()}
+  materialised = {i: [terms_lib.flat(g)] for i, g in zip(recorder.general_indices, general_grads)}
+  for i, term_list in rec.terms.items():
     if i not in ghost:
-      kept[i] = terms_lib.flat(rec.variable_gradients(i, dzs, size))
-  columns, sums = [], []
-  for i, v in enumerate(recorder.variables):
-    if i in ghost:
-      dz = dzs[ghost[i].output]
-      columns.append(ghost[i].gram_norms(dz))
-      sums.append(ghost[i].batch_sum(dz))
-    else:
-      columns.append(tf.reduce_sum(tf.square(kept[i]), axis=1))
-      sums.append(tf.reshape(tf.reduce_sum(kept[i], axis=0), v.shape))
-  return GhostTerms(tf.stack(columns, axis=1), sums, ghost, kept, dzs)
+      materialised[i] = variable_pieces(term_list, dzs, size, recorder.variables[i].shape)
+  return combine(recorder.variables, materialised, ghost, self_dots)

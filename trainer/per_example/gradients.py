@@ -24,9 +24,11 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from trainer.per_example import general
 from trainer.per_example import recording
 
 
+@general.no_autograph
 def _unchunked(recorder, loss_fn, batch):
   out = {}
   if recorder.direct_indices:
@@ -36,6 +38,7 @@ def _unchunked(recorder, loss_fn, batch):
   return [tf.cast(out[i], v.dtype) for i, v in enumerate(recorder.variables)]
 
 
+@general.no_autograph
 def _chunked(recorder, loss_fn, batch, chunk_size):
   """Runs `_unchunked` on slices of `chunk_size` examples in a tf.while_loop; concatenates."""
   size = tf.shape(tf.nest.flatten(batch)[0])[0]
@@ -79,6 +82,7 @@ def per_example_gradients(model: Any, loss_fn: Callable[[Any, Any], tf.Tensor], 
   recorder = recording.Recorder(model, variables, general_path=general_path)
   if not recorder.variables:
     return []
+  loss_fn = general.user_fn(loss_fn)
   static_size = tf.nest.flatten(batch)[0].shape[0]
   if chunk_size == 0 or (static_size is not None and static_size <= chunk_size):
     return _unchunked(recorder, loss_fn, batch)

@@ -73,20 +73,20 @@ def _activate(layer, z):
 
 # ------------------------------------------------------------------------------ Dense --------
 def _dense_call(layer, inputs, rec):
-  z = tf.matmul(inputs, layer.kernel)
-  if layer.bias is not None:
-    z = z + layer.bias
+  # Watched before the bias (same gradient; the forward graph stays Keras' own).
+  z = keras.ops.matmul(inputs, layer.kernel)
   index = rec.watch(z)
   x = tf.cast(inputs, tf.float32)
   steps, width, units = static_prod(x.shape[1:-1]), x.shape[-1], z.shape[-1]
 
   def pair(dz):
-    return tf.reshape(x, [tf.shape(x)[0], -1, width]), tf.reshape(dz, [tf.shape(dz)[0], -1, units])
+    return terms.rows(x, [steps, width]), terms.rows(dz, [steps, units])
 
   rec.add(layer.kernel, terms.outer_term(
       index, pair, layer.kernel.shape, lambda w: tf.matmul(x, w), (steps, width, units)))
   if layer.bias is not None:
     rec.add(layer.bias, terms.reduce_term(index, layer.bias.shape, list(range(1, x.shape.rank - 1))))
+    z = keras.ops.add(z, layer.bias)
   return _activate(layer, z)
 
 
@@ -116,10 +116,8 @@ def _einsum_check(layer):
 
 def _einsum_call(layer, inputs, rec):
   ins, ker, out = einsum_parts(layer.equation)
-  z = tf.einsum(layer.equation, inputs, layer.kernel)
-  if layer.bias is not None:
-    z = z + layer.bias
-  index = rec.watch(z)
+  z = keras.ops.einsum(layer.equation, inputs, layer.kernel)
+  index = rec.watch(z)  # Before the bias, as for Dense.
   x = tf.cast(inputs, tf.float32)
   batch = out[0]
   positions = "".join(c for c in ins[1:] if c in out and c not in ker)
@@ -133,8 +131,7 @@ def _einsum_call(layer, inputs, rec):
     def pair(dz):
       a = tf.einsum(f"{ins}->{batch}{positions}{contracted}", x)
       b = tf.einsum(f"{out}->{batch}{positions}{produced}", dz)
-      return (tf.reshape(a, [tf.shape(a)[0], -1, sizes[1]]),
-              tf.reshape(b, [tf.shape(b)[0], -1, sizes[2]]))
+      return terms.rows(a, [sizes[0], sizes[1]]), terms.rows(b, [sizes[0], sizes[2]])
 
     term = dataclasses.replace(
         terms.outer_term(index, pair, layer.kernel.shape, forward, sizes,
@@ -151,9 +148,9 @@ def _einsum_call(layer, inputs, rec):
     bias_shape = layer.bias.shape
 
     def bias_grads(dz):
-      g = tf.einsum(f"{out}->{batch}{kept}", dz)
-      return tf.reshape(g, tf.concat([tf.shape(dz)[:1], bias_shape], 0))
+      return terms.rows(tf.einsum(f"{out}->{batch}{kept}", dz), list(bias_shape))
     rec.add(layer.bias, terms.Term(index, bias_grads))
+    z = keras.ops.add(z, layer.bias)
   return _activate(layer, z)
 
 
@@ -168,21 +165,18 @@ def _embedding_call(layer, inputs, rec):
   ids = tf.where(inputs < 0, inputs + vocab, inputs)
   steps = static_prod(ids.shape[1:])
 
-  def flat_ids(dz):
-    return tf.reshape(tf.cast(ids, tf.int32), [tf.shape(dz)[0], -1])
+  flat_ids = terms.rows(tf.cast(ids, tf.int32), [steps])
 
   def grads(dz):
-    rows = flat_ids(dz)
-    batch = tf.shape(rows)[0]
-    segments = rows + vocab * tf.range(batch)[:, None]
+    batch = tf.shape(dz)[0]
+    segments = flat_ids + vocab * tf.range(batch)[:, None]
     g = tf.math.unsorted_segment_sum(tf.reshape(dz, [-1, dim]), tf.reshape(segments, [-1]),
                                      batch * vocab)
     return tf.reshape(g, [batch, vocab, dim])
 
   def gram_norms(dz):
-    rows = flat_ids(dz)
-    dz3 = tf.reshape(dz, [tf.shape(dz)[0], -1, dim])
-    same = tf.cast(tf.equal(rows[:, :, None], rows[:, None, :]), tf.float32)
+    dz3 = terms.rows(dz, [steps, dim])
+    same = tf.cast(tf.equal(flat_ids[:, :, None], flat_ids[:, None, :]), tf.float32)
     return tf.reduce_sum(same * tf.matmul(dz3, dz3, transpose_b=True), [1, 2])
 
   def forward(w):

@@ -125,6 +125,10 @@ class Recorder:
     Only the recorded outputs are differentiated (no variable gradients: the direct formulas
     give them). Returns (rec, output_grads, losses). Eager or traced, any context.
     """
+    return self._differentiate(general.user_fn(loss_fn), batch)
+
+  @general.no_autograph
+  def _differentiate(self, loss_fn, batch):
     with tf.GradientTape(watch_accessed_variables=False) as tape:
       with self.record(tape) as rec:
         losses = general.check_losses(loss_fn(self.model, batch))
@@ -139,8 +143,9 @@ class Recorder:
 
   def general_gradients(self, loss_fn, batch) -> list:
     """[B, *shape] per general variable, by `general_path` (its own forward passes)."""
-    return general.gradients(self.model, loss_fn, batch, self.general_variables,
-                             self.general_path, self.guard)
+    return general.no_autograph(general.gradients)(
+        self.model, general.user_fn(loss_fn), batch, self.general_variables, self.general_path,
+        self.guard)
 
 
 class Recording:

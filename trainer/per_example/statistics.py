@@ -28,6 +28,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
+from trainer.per_example import general
 from trainer.per_example import ghost
 from trainer.per_example import recording
 from trainer.per_example import terms
@@ -56,6 +57,7 @@ def cosines(dots, norms, grad_norm, eps=1e-30):
   return dots / tf.maximum(norms * grad_norm, eps)
 
 
+@general.no_autograph
 def local_sums(var_sq_norms, small_grad_sq_norm):
   """This replica's SUM-reducible statistics: a float32 vector [2V + 3].
 
@@ -65,13 +67,13 @@ def local_sums(var_sq_norms, small_grad_sq_norm):
   by summing them; any context.
   """
   var_sq_norms = tf.cast(var_sq_norms, tf.float32)
-  norms = tf.sqrt(tf.reduce_sum(var_sq_norms, axis=1))
-  return tf.concat([
-      tf.reduce_sum(var_sq_norms, axis=0), tf.reduce_sum(tf.sqrt(var_sq_norms), axis=0),
-      tf.stack([tf.reduce_sum(norms), tf.cast(tf.shape(var_sq_norms)[0], tf.float32),
-                tf.cast(small_grad_sq_norm, tf.float32)])], axis=0)
+  norms = tf.sqrt(tf.reduce_sum(var_sq_norms, axis=1, keepdims=True))
+  per_example = tf.concat([var_sq_norms, tf.sqrt(var_sq_norms), norms, tf.ones_like(norms)], 1)
+  return tf.concat([tf.reduce_sum(per_example, axis=0),
+                    tf.reshape(tf.cast(small_grad_sq_norm, tf.float32), [1])], axis=0)
 
 
+@general.no_autograph
 def statistics_from_sums(sums, grad_sq_norm, *, num_small_batches, num_parameters) -> dict:
   """The scalar statistics from summed `local_sums` and |G|^2 of the global mean gradient.
 
@@ -81,18 +83,22 @@ def statistics_from_sums(sums, grad_sq_norm, *, num_small_batches, num_parameter
   gns_g2, gns_example, var_mean_norm [V], var_mean_sq_norm [V].
   """
   num_vars = (int(sums.shape[0]) - 3) // 2
-  var_sum_sq, var_sum_norm = sums[:num_vars], sums[num_vars:2 * num_vars]
-  sum_norm, count, small_sq = sums[-3], sums[-2], sums[-1] / float(num_small_batches)
+  var_sum_sq, var_sum_norm, tail = tf.split(sums, [num_vars, num_vars, 3])
+  sum_norm, count, small_total = tf.unstack(tail)
   sum_sq = tf.reduce_sum(var_sum_sq)
-  trace = trace_estimate(sum_sq, grad_sq_norm, count)
-  gns_example, _, _ = noise_scale(sum_sq / count, grad_sq_norm, 1.0, count)
+  example_sq = sum_sq / count  # |G|^2 at batch size 1: mean_i |g_i|^2.
   if num_small_batches > 1:
-    gns, gns_s, gns_g2 = noise_scale(small_sq, grad_sq_norm, count / num_small_batches, count)
+    small_sq, b_small = small_total / num_small_batches, count / num_small_batches
   else:
-    gns, gns_s, gns_g2 = noise_scale(sum_sq / count, grad_sq_norm, 1.0, count)
+    small_sq, b_small = example_sq, tf.ones_like(count)
+  # Both estimates at once: [small batches vs all, single examples vs all].
+  gns, s, g2 = noise_scale(tf.stack([small_sq, example_sq]), grad_sq_norm,
+                           tf.stack([b_small, tf.ones_like(count)]), count)
+  gns, gns_example = tf.unstack(gns)
+  (gns_s, trace), (gns_g2, _) = tf.unstack(s), tf.unstack(g2)  # S at b_s = 1 is tr(Sigma).
   return {
       "count": count, "grad_norm": tf.sqrt(grad_sq_norm), "mean_norm": sum_norm / count,
-      "mean_sq_norm": sum_sq / count, "trace": trace, "variance": trace / float(num_parameters),
+      "mean_sq_norm": example_sq, "trace": trace, "variance": trace / float(num_parameters),
       "diversity": diversity(sum_sq, grad_sq_norm * tf.square(count)), "gns": gns,
       "gns_s": gns_s, "gns_g2": gns_g2, "gns_example": gns_example,
       "var_mean_norm": var_sum_norm / count, "var_mean_sq_norm": var_sum_sq / count}
@@ -107,31 +113,35 @@ def _replica_context():
   return ctx
 
 
-def _combine(ctx, variables, var_sq, batch_sums, dots_fn, return_batch_grads):
-  """One packed all-reduce of (S1, local_sums), dots against G, one all_gather."""
-  sizes = [int(tf.TensorShape(v.shape).num_elements()) for v in variables]
-  flat_sums = [tf.reshape(tf.cast(s, tf.float32), [-1]) for s in batch_sums]
+def _combine(ctx, found, return_batch_grads):
+  """One packed all-reduce of (S1, local_sums), dots against G, one all_gather.
+
+  `found`: this replica's `ghost.GhostTerms` (built with self_dots=True when ctx has one
+  replica: then G is this batch's own mean gradient and the dots are already known).
+  """
+  var_sq, local = found.sq_norms, found.packed_sums
+  num_params = sum(found.sizes)
   local_count = tf.cast(tf.shape(var_sq)[0], tf.float32)
-  small_sq = tf.add_n([tf.reduce_sum(tf.square(s)) for s in flat_sums]) / tf.square(
-      tf.maximum(local_count, 1.0))
+  small_sq = tf.reduce_sum(tf.square(local)) / tf.square(tf.maximum(local_count, 1.0))
   sums = local_sums(var_sq, small_sq)
-  total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat(flat_sums + [sums], 0))  # ONE.
-  pieces = tf.split(total, sizes + [int(sums.shape[0])])
-  count = pieces[-1][-2]
-  grads = [p / count for p in pieces[:-1]]
-  grad_sq = tf.add_n([tf.reduce_sum(tf.square(g)) for g in grads])
-  stats = statistics_from_sums(pieces[-1], grad_sq, num_small_batches=ctx.num_replicas_in_sync,
-                               num_parameters=sum(sizes))
-  var_norms = tf.sqrt(var_sq)
+  total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([local, sums], 0))  # ONE.
+  grad_sum, reduced = tf.split(total, [num_params, int(sums.shape[0])])
+  stats = statistics_from_sums(reduced, tf.reduce_sum(tf.square(grad_sum)) / tf.square(
+      reduced[-2]), num_small_batches=ctx.num_replicas_in_sync, num_parameters=num_params)
+  count = stats["count"]
+  if found.self_dots is not None:
+    dots = found.self_dots / count
+  else:
+    dots = found.dots_packed(grad_sum / count)  # After the reduce.
   norms = tf.sqrt(tf.reduce_sum(var_sq, axis=1))
-  shaped = [tf.reshape(g, v.shape) for g, v in zip(grads, variables)]
-  local_cos = cosines(dots_fn(shaped), norms, stats["grad_norm"])  # After the reduce.
+  local_cos = cosines(dots, norms, stats["grad_norm"])
   gathered = ctx.all_gather(
-      tf.concat([norms[:, None], local_cos[:, None], var_norms], axis=1), axis=0)
-  stats.update(mean_cosine=tf.reduce_mean(gathered[:, 1]), norms=gathered[:, 0],
-               cosines=gathered[:, 1], var_norms=gathered[:, 2:])
+      tf.concat([tf.stack([norms, local_cos], axis=1), tf.sqrt(var_sq)], axis=1), axis=0)
+  gathered_norms, gathered_cos, var_norms = tf.split(gathered, [1, 1, -1], axis=1)
+  stats.update(mean_cosine=tf.reduce_mean(gathered_cos), norms=gathered_norms[:, 0],
+               cosines=gathered_cos[:, 0], var_norms=var_norms)
   if return_batch_grads:
-    stats["batch_grads"] = shaped
+    stats["batch_grads"] = found.unpack(grad_sum / count)
   return stats
 
 
@@ -146,6 +156,7 @@ STAT_DOC = """
 """
 
 
+@general.no_autograph
 def replica_statistics(per_example_grads: Sequence[tf.Tensor], variables: Sequence,
                        *, return_batch_grads: bool = False) -> dict:
   """Statistics over the GLOBAL batch from this replica's materialised per-example gradients.
@@ -167,12 +178,9 @@ def replica_statistics(per_example_grads: Sequence[tf.Tensor], variables: Sequen
       raise ValueError(f"per_example_grads: shape {g.shape} does not match [b, *{v.shape}] of "
                        f"variable {recording.variable_name(v)}.")
   ctx = _replica_context()
-  flats = [terms.flat(g) for g in per_example_grads]
-  var_sq = tf.stack([tf.reduce_sum(tf.square(f), axis=1) for f in flats], axis=1)
-  dots_fn = lambda grads: tf.add_n([tf.linalg.matvec(f, tf.reshape(g, [-1]))
-                                    for f, g in zip(flats, grads)])
-  return _combine(ctx, variables, var_sq, [tf.reduce_sum(f, axis=0) for f in flats], dots_fn,
-                  return_batch_grads)
+  found = ghost.combine(list(variables), {i: [terms.flat(g)] for i, g in enumerate(per_example_grads)},
+                        {}, self_dots=ctx.num_replicas_in_sync == 1)
+  return _combine(ctx, found, return_batch_grads)
 
 
 def ghost_statistics(model, loss_fn, batch, *, variables=None,
@@ -191,16 +199,22 @@ def ghost_statistics(model, loss_fn, batch, *, variables=None,
     layer_method: `auto` | `materialize` | `ghost`, see `recording.Recorder`.
     return_batch_grads: also return `batch_grads`.
   """
+  return _ghost_statistics(model, general.user_fn(loss_fn), batch, variables, general_path,
+                           layer_method, return_batch_grads)
+
+
+@general.no_autograph
+def _ghost_statistics(model, loss_fn, batch, variables, general_path, layer_method,
+                      return_batch_grads):
   ctx = _replica_context()
   recorder = recording.Recorder(model, variables, general_path=general_path,
                                 layer_method=layer_method)
-  variables = recorder.variables
   rec, output_grads, losses = recorder.differentiate(loss_fn, batch)
   found = ghost.ghost_norms(rec, output_grads,
                             general_grads=recorder.general_gradients(loss_fn, batch),
-                            batch_size=tf.shape(losses)[0])
-  return _combine(ctx, variables, found.sq_norms, found.batch_sums, found.dots,
-                  return_batch_grads)
+                            batch_size=tf.shape(losses)[0],
+                            self_dots=ctx.num_replicas_in_sync == 1)
+  return _combine(ctx, found, return_batch_grads)
 
 
 replica_statistics.__doc__ += STAT_DOC

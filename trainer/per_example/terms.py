@@ -44,6 +44,9 @@ class Term:
     dots: (dz, g) -> [B] dot products with g (shaped like the variable), or None.
     batch_sum: dz -> sum_i g_i (shaped like the variable) without materialising, or None.
     costs: per-example (materialise, ghost) cost estimates, or None (then materialise).
+    blocks: dz -> iterable of [B, n_k] float32 pieces of the flattened per-example gradients,
+      in row-major order (e.g. one per kernel tap; a generator may create each piece only when
+      asked), or None (one piece: `grads`, flattened).
   """
   output: int
   grads: Callable
@@ -51,6 +54,7 @@ class Term:
   dots: Callable | None = None
   batch_sum: Callable | None = None
   costs: tuple | None = None
+  blocks: Callable | None = None
 
   @property
   def prefers_ghost(self) -> bool:
@@ -58,9 +62,21 @@ class Term:
             and self.costs[1] < self.costs[0])
 
 
+def rows(t, trailing):
+  """Reshapes [B, ...] to [B, *trailing]; `trailing` may hold one -1 (then B is read)."""
+  trailing = [int(d) if d is not None else -1 for d in trailing]
+  if t.shape[1:].as_list() == trailing:
+    return t
+  if -1 not in trailing:
+    return tf.reshape(t, [-1] + trailing)
+  batch = t.shape[0] if t.shape[0] is not None else tf.shape(t)[0]
+  return tf.reshape(t, [batch] + trailing)
+
+
 def flat(t):
   """[B, ...] -> [B, N] float32."""
-  return tf.reshape(tf.cast(t, tf.float32), [tf.shape(t)[0], -1])
+  n = t.shape[1:].num_elements()
+  return rows(tf.cast(t, tf.float32), [n if n is not None else -1])
 
 
 def reduce_term(output, shape, reduce_axes, weight=None):
@@ -71,11 +87,11 @@ def reduce_term(output, shape, reduce_axes, weight=None):
   def grads(dz):
     prod = dz if weight is None else dz * weight
     summed = tf.reduce_sum(prod, axis=reduce_axes) if reduce_axes else prod
-    return tf.reshape(summed, tf.concat([tf.shape(dz)[:1], shape], 0))
+    return rows(summed, list(shape))
   return Term(output, grads)
 
 
-def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None):
+def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None, blocks=None):
   """Per-example kernel gradient g_i = sum_t a_it b_it^T, reshaped to `kernel_shape`.
 
   Args:
@@ -86,6 +102,7 @@ def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None):
       (float32); used for `dots`.
     sizes: static (T, K, O); T may be None (unknown sequence length: always materialise).
     materialize: optional faster dz -> [B, *kernel_shape] replacing the batched matmul.
+    blocks: optional dz -> row-major pieces [B, n_k] of the same (see `Term.blocks`).
   """
   steps, k, o = sizes
   kernel_shape = list(kernel_shape)
@@ -115,7 +132,7 @@ def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None):
   costs = None
   if steps is not None:
     costs = (steps * k * o + KEPT_FLOAT_COST * k * o, steps * steps * (k + o) + steps * k * o)
-  return Term(output, grads, gram_norms, forward_dots(forward), batch_sum, costs)
+  return Term(output, grads, gram_norms, forward_dots(forward), batch_sum, costs, blocks)
 
 
 def forward_dots(forward):
