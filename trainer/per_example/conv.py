@@ -135,8 +135,11 @@ def _activate(layer, z):
   return z if layer.activation is None else layer.activation(z)
 
 
-def _kernel_outer_term(index, kernel, x, geom, forward, sizes, transposed=False):
-  """Outer-product kernel term: patches of x against dz, or of dz against x (`transposed`)."""
+def _kernel_terms(layer, rec, index, x, geom, forward, sizes, transposed=False):
+  """Kernel outer-product term (patches of x against dz, or of dz against x when `transposed`)
+  and, with a bias, their joint: the kernel pieces, then the bias piece."""
+  kernel = layer.kernel
+
   def roles(dz):
     return (dz, x) if transposed else (x, dz)
 
@@ -150,7 +153,13 @@ def _kernel_outer_term(index, kernel, x, geom, forward, sizes, transposed=False)
 
   def materialize(dz):
     return tf.reshape(tf.concat(list(blocks(dz)), axis=1), [-1] + list(kernel.shape))
-  return terms.outer_term(index, pair, kernel.shape, forward, sizes, materialize, blocks)
+  rec.add(kernel, terms.outer_term(index, pair, kernel.shape, forward, sizes, materialize,
+                                   blocks, x.shape[0]))
+  if layer.use_bias:
+    def joint(dz):
+      yield from blocks(dz)
+      yield tf.reduce_sum(dz, axis=list(range(1, dz.shape.rank - 1)))
+    rec.add_joint(terms.Joint((kernel, layer.bias), index, joint))
 
 
 # --------------------------------------------------------------------- Conv1D/2D/3D ----------
@@ -170,8 +179,7 @@ def _conv_call(layer, inputs, rec):
   x = tf.cast(inputs, tf.float32)
   geom = Geometry.of(layer, padding)
   sizes = (positions(z), math.prod(geom.kernel_size) * x.shape[-1], layer.filters)
-  rec.add(layer.kernel, _kernel_outer_term(index, layer.kernel, x, geom, lambda w: conv(x, w),
-                                           sizes))
+  _kernel_terms(layer, rec, index, x, geom, lambda w: conv(x, w), sizes)
   return _activate(layer, z)
 
 
@@ -189,8 +197,7 @@ def _transpose_call(layer, inputs, rec):
   x = tf.cast(inputs, tf.float32)
   geom = Geometry.of(layer)
   sizes = (positions(x), math.prod(geom.kernel_size) * layer.filters, x.shape[-1])
-  rec.add(layer.kernel, _kernel_outer_term(index, layer.kernel, x, geom, lambda w: conv_t(x, w),
-                                           sizes, transposed=True))
+  _kernel_terms(layer, rec, index, x, geom, lambda w: conv_t(x, w), sizes, transposed=True)
   return _activate(layer, z)
 
 
@@ -202,7 +209,7 @@ def _depthwise_term(index, kernel, x, geom):
   def grads(du):
     steps = positions(du)
     du4 = terms.rows(du, [steps, channels, multiplier])
-    per_tap = [tf.einsum("bpc,bpcm->bcm", terms.rows(s, [steps, channels]), du4)
+    per_tap = [tf.reduce_sum(terms.rows(s, [steps, channels, 1]) * du4, axis=1)
                for s in shifted(x, geom, spatial_sizes(du))]
     return terms.rows(tf.stack(per_tap, axis=1), list(kernel.shape))
   return terms.Term(index, grads)
@@ -228,16 +235,16 @@ def _separable_call(layer, inputs, rec):
   width = u.shape[-1]
   pointwise = layer.pointwise_kernel
   z = ops.matmul(u, ops.reshape(pointwise, (width, layer.filters)))
-  z, index = _add_bias(layer, rec, z)
+  index = rec.watch(z)
   uf = tf.cast(u, tf.float32)
-
-  def pair(dz):
-    steps = positions(dz)
-    return terms.rows(uf, [steps, width]), terms.rows(dz, [steps, layer.filters])
-
-  forward = lambda w: tf.matmul(uf, tf.reshape(w, (width, layer.filters)))
-  rec.add(pointwise, terms.outer_term(index, pair, pointwise.shape, forward,
-                                      (positions(u), width, layer.filters)))
+  steps = positions(u)
+  # The pointwise stage is a Dense over positions; its kernel [1, (1,) C m, filters] is (K, O).
+  terms.dense_like(rec, index, pointwise, layer.bias if layer.use_bias else None,
+                   lambda: terms.rows(uf, [steps, width]),
+                   lambda dz: terms.rows(dz, [steps, layer.filters]), (steps, width, layer.filters),
+                   lambda w: tf.matmul(uf, tf.reshape(w, (width, layer.filters))), x.shape[0])
+  if layer.use_bias:
+    z = ops.add(z, ops.reshape(layer.bias, (1,) * (z.shape.rank - 1) + (-1,)))
   return _activate(layer, z)
 
 

@@ -19,12 +19,13 @@ Per variable, one of:
   computes). Nothing of size [B, P_layer] is formed.
 * materialised (small layers, normalisation scales, biases, depthwise kernels, layers called
   more than once, general-path variables from `general_grads`): the per-example gradients of
-  that variable are formed, as row-major pieces (`Term.blocks`, e.g. one per kernel tap), and
-  reduced piece by piece. The pieces are kept until `dots` unless `self_dots=True`: then the
-  dots with this batch's own gradient sum are computed in the same pass and nothing is kept (one
-  replica: the global gradient is the local one).
-The per-layer choice (`terms.KEPT_FLOAT_COST`) bounds the materialised size by the layer's
-activations.
+  that variable are formed, as row-major pieces (`Term.blocks`, e.g. one per kernel tap; a
+  layer's kernel and bias together when both are materialised, `terms.Joint`), and reduced
+  piece by piece. The pieces are kept until `dots` unless `self_dots=True`: then the dots with
+  this batch's own gradient sum are computed in the same pass and nothing is kept (one replica:
+  the global gradient is the local one).
+The per-layer choice (`terms.choice_costs`) bounds the materialised size by the layer's
+activations: a layer is materialised when T K O (+ K O kept) is cheaper than T^2 (K + O).
 
 `example_scale` c_i: when the caller's loss is sum_i c_i loss_i (e.g. weights / global count),
 the recorded dz rows are c_i g_i; they are divided by c_i (0 where c_i = 0) so that every
@@ -37,6 +38,11 @@ import tensorflow as tf
 
 from trainer.per_example import general
 from trainer.per_example import terms as terms_lib
+
+
+def _width(variable) -> int:
+  return int(np.prod(variable.shape))
+
 
 def _batch_dot(a, b):
   """[B, n] x [n] -> [B] (elementwise, see `combine`)."""
@@ -59,7 +65,7 @@ class GhostTerms:
   def __init__(self, variables, sq_norms, packed_sums, order, kept, ghost, self_dots):
     self.sq_norms, self.packed_sums, self.self_dots = sq_norms, packed_sums, self_dots
     self.order = order
-    self.sizes = [int(np.prod(variables[i].shape)) for i in order]
+    self.sizes = [_width(variables[i]) for i in order]
     self.ghost_indices = sorted(ghost)
     self._variables = variables
     self._kept, self._ghost = kept, ghost
@@ -96,7 +102,7 @@ class GhostTerms:
       offset += width
     for i in self.order[len(self.order) - len(self._ghost):]:
       term, dz = self._ghost[i]
-      size = int(np.prod(self._variables[i].shape))
+      size = _width(self._variables[i])
       parts.append(term.dots(dz, tf.reshape(packed[offset:offset + size],
                                             self._variables[i].shape)))
       offset += size
@@ -111,45 +117,71 @@ def _scaled(output_grads, example_scale):
   return [g * tf.reshape(inverse, [-1] + [1] * (g.shape.rank - 1)) for g in grads]
 
 
-def combine(variables, materialised, ghost, self_dots) -> GhostTerms:
-  """GhostTerms from per-variable pieces.
+def _reduce_piece(piece, spans, parts, self_dots, sums, dots):
+  """Squared norms per variable span of one [B, n] piece, its batch sum and its self-dots."""
+  squares = tf.square(piece)
+  if len(spans) == 1:
+    parts.setdefault(spans[0][0], []).append(tf.reduce_sum(squares, axis=1))
+  else:
+    for (index, _), chunk in zip(spans, tf.split(squares, [w for _, w in spans], axis=1)):
+      parts.setdefault(index, []).append(tf.reduce_sum(chunk, axis=1))
+  sums.append(tf.reduce_sum(piece, axis=0))
+  if self_dots:
+    dots.append(_batch_dot(piece, sums[-1]))
+  return [parts[spans[-1][0]][-1], sums[-1]] + (dots[-1:] if self_dots else [])
+
+
+def _spans(widths, start, size):
+  """[(variable, width)] of the layout positions [start, start + size)."""
+  out, offset = [], 0
+  for index, width in widths:
+    lo, hi = max(start, offset), min(start + size, offset + width)
+    if lo < hi:
+      out.append((index, hi - lo))
+    offset += width
+  return out
+
+
+def combine(variables, groups, ghost, self_dots) -> GhostTerms:
+  """GhostTerms from materialised groups and ghost variables.
 
   Args:
     variables: all variables (defines V and the column order of `sq_norms`).
-    materialised: {index: iterable of [B, n_k] float32 row-major pieces}; a piece is created
-      (generators) after the previous piece of the same variable is reduced.
+    groups: [(variable indices, iterable of [B, n_k] float32 pieces)]: the pieces concatenate to
+      the variables' flattened per-example gradients, in order.
     ghost: {index: (term, dz)} for Gram/forward variables.
     self_dots: compute <g_i, sum_j g_j> now and keep nothing (see the module docstring).
 
-  Reductions use elementwise products and sums rather than matmuls: every new matmul shape
-  costs oneDNN a compiled kernel (~1 MiB each), a fixed price that would dominate small models.
+  Each piece is reduced on its own (norms per variable span, batch sum, self-dots) and created
+  after the previous piece of its group is reduced, so that one kernel tap at a time is alive.
+  Concatenating small pieces into one matrix was tried: fewer ops, but the copies cost more
+  memory than the ops cost time.
   """
-  order = sorted(materialised) + sorted(ghost)
-  columns, sums, dots, kept = {}, [], [], []
-  for i in sorted(materialised):
-    parts, pieces, done = [], iter(materialised[i]), []
+  order = [i for idx, _ in groups for i in idx] + sorted(ghost)
+  sums, dots, kept, parts = [], [], [], {}
+  for idx, pieces in groups:
+    widths = [(i, _width(variables[i])) for i in idx]
+    iterator, start, done = iter(pieces), 0, []
     while True:
       with tf.control_dependencies(done):  # One piece (e.g. kernel tap) at a time.
-        piece = next(pieces, None)
+        piece = next(iterator, None)
       if piece is None:
         break
-      parts.append(tf.reduce_sum(tf.square(piece), axis=1))
-      sums.append(tf.reduce_sum(piece, axis=0))
-      done = [parts[-1], sums[-1]]
-      if self_dots:
-        dots.append(_batch_dot(piece, sums[-1]))
-        done.append(dots[-1])
-      else:
+      piece = terms_lib.flat(piece)
+      size = int(piece.shape[1])
+      done = _reduce_piece(piece, _spans(widths, start, size), parts, self_dots, sums, dots)
+      if not self_dots:
         kept.append(piece)
-    columns[i] = parts[0] if len(parts) == 1 else tf.add_n(parts)
+      start += size
   for i in sorted(ghost):
     term, dz = ghost[i]
-    columns[i] = term.gram_norms(dz)
+    parts[i] = [term.gram_norms(dz)]
     total = term.batch_sum(dz)
     sums.append(tf.reshape(total, [-1]))
     if self_dots:
       dots.append(term.dots(dz, total))
-  sq_norms = tf.stack([columns[i] for i in range(len(variables))], axis=1)
+  sq_norms = tf.stack([p[0] if len(p) == 1 else tf.add_n(p)
+                       for p in (parts[i] for i in range(len(variables)))], axis=1)
   return GhostTerms(variables, sq_norms, tf.concat(sums, axis=0), order,
                     None if self_dots else kept, {i: ghost[i] for i in sorted(ghost)},
                     tf.add_n(dots) if self_dots else None)
@@ -191,8 +223,23 @@ def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
   dzs = _scaled(output_grads, example_scale)
   size = batch_size if rec.batch_size is None else rec.batch_size
   ghost = {i: (rec.terms[i][0], dzs[rec.terms[i][0].output]) for i in rec.ghost_indices()}
-  materialised = {i: [terms_lib.flat(g)] for i, g in zip(recorder.general_indices, general_grads)}
-  for i, term_list in rec.terms.items():
-    if i not in ghost:
-      materialised[i] = variable_pieces(term_list, dzs, size, recorder.variables[i].shape)
-  return combine(recorder.variables, materialised, ghost, self_dots)
+  groups = [((i,), [terms_lib.flat(g)]) for i, g in zip(recorder.general_indices, general_grads)]
+  joints = {}
+  for indices, joint in rec.joints:
+    singles = all(len(rec.terms[i]) == 1 and rec.terms[i][0].output == joint.output
+                  and i not in ghost for i in indices)
+    if singles:
+      joints.setdefault(indices[0], (indices, joint))
+  grouped = set()
+  for i in sorted(rec.terms):
+    if i in ghost or i in grouped:
+      continue
+    if i in joints and not grouped.intersection(joints[i][0]):
+      indices, joint = joints[i]
+      groups.append((indices, joint.pieces(dzs[joint.output])))
+      grouped.update(indices)
+    else:
+      groups.append(((i,), variable_pieces(rec.terms[i], dzs, size,
+                                            recorder.variables[i].shape)))
+      grouped.add(i)
+  return combine(recorder.variables, groups, ghost, self_dots)

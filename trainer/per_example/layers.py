@@ -78,14 +78,10 @@ def _dense_call(layer, inputs, rec):
   index = rec.watch(z)
   x = tf.cast(inputs, tf.float32)
   steps, width, units = static_prod(x.shape[1:-1]), x.shape[-1], z.shape[-1]
-
-  def pair(dz):
-    return terms.rows(x, [steps, width]), terms.rows(dz, [steps, units])
-
-  rec.add(layer.kernel, terms.outer_term(
-      index, pair, layer.kernel.shape, lambda w: tf.matmul(x, w), (steps, width, units)))
+  terms.dense_like(rec, index, layer.kernel, layer.bias, lambda: terms.rows(x, [steps, width]),
+             lambda dz: terms.rows(dz, [steps, units]), (steps, width, units),
+             lambda w: tf.matmul(x, w), x.shape[0])
   if layer.bias is not None:
-    rec.add(layer.bias, terms.reduce_term(index, layer.bias.shape, list(range(1, x.shape.rank - 1))))
     z = keras.ops.add(z, layer.bias)
   return _activate(layer, z)
 
@@ -114,6 +110,14 @@ def _einsum_check(layer):
   return "" if einsum_parts(layer.equation) else f"equation {layer.equation!r}"
 
 
+def _arranged(t, subscripts, groups, dims):
+  """`t` with axes `subscripts` as [B, *(product of each group's dims)] (transposed if needed)."""
+  order = "".join(groups)
+  if subscripts != order:
+    t = tf.transpose(t, [subscripts.index(c) for c in order])
+  return terms.rows(t, [static_prod([dims[c] for c in g]) for g in groups[1:]])
+
+
 def _einsum_call(layer, inputs, rec):
   ins, ker, out = einsum_parts(layer.equation)
   z = keras.ops.einsum(layer.equation, inputs, layer.kernel)
@@ -123,34 +127,32 @@ def _einsum_call(layer, inputs, rec):
   positions = "".join(c for c in ins[1:] if c in out and c not in ker)
   contracted = "".join(c for c in ins if c in ker and c not in out)
   produced = "".join(c for c in ker if c in out and c not in ins)
+  dims = dict(zip(out, z.shape)) | dict(zip(ins, x.shape)) | dict(zip(ker, layer.kernel.shape))
   forward = lambda w: tf.einsum(layer.equation, x, w)
-  if set(ker) == set(contracted + produced) and set(ins) == set(batch + positions + contracted):
-    dims = dict(zip(ins, x.shape)) | dict(zip(ker, layer.kernel.shape))
+  bias = layer.bias
+  if (ker == contracted + produced and set(ins) == set(batch + positions + contracted)
+      and set(out) == set(batch + positions + produced)):
+    # "batch, positions, contracted -> batch, positions, produced": a Dense over positions.
     sizes = tuple(static_prod([dims[c] for c in s]) for s in (positions, contracted, produced))
-
-    def pair(dz):
-      a = tf.einsum(f"{ins}->{batch}{positions}{contracted}", x)
-      b = tf.einsum(f"{out}->{batch}{positions}{produced}", dz)
-      return terms.rows(a, [sizes[0], sizes[1]]), terms.rows(b, [sizes[0], sizes[2]])
-
-    term = dataclasses.replace(
-        terms.outer_term(index, pair, layer.kernel.shape, forward, sizes,
-                         lambda dz: tf.einsum(f"{ins},{out}->{batch}{ker}", x, dz)),
-        batch_sum=lambda dz: tf.einsum(f"{ins},{out}->{ker}", x, dz))
+    joint_bias = bias if bias is not None and tuple(bias.shape) == tuple(
+        dims[c] for c in produced) else None
+    terms.dense_like(rec, index, layer.kernel, joint_bias,
+               lambda: _arranged(x, ins, (batch, positions, contracted), dims),
+               lambda dz: _arranged(dz, out, (batch, positions, produced), dims), sizes,
+               forward, x.shape[0])
+    if joint_bias is not None or bias is None:
+      return _activate(layer, keras.ops.add(z, bias) if bias is not None else z)
   else:
-    term = terms.Term(index, lambda dz: tf.einsum(f"{ins},{out}->{batch}{ker}", x, dz),
-                      dots=terms.forward_dots(forward))
-  rec.add(layer.kernel, term)
-  if layer.bias is not None:
+    rec.add(layer.kernel, terms.Term(
+        index, lambda dz: tf.einsum(f"{ins},{out}->{batch}{ker}", x, dz),
+        dots=terms.forward_dots(forward)))
+  if bias is not None:
     # Keras' bias covers the output axes from the first bias axis on (1 for the others).
     first = min(out.index(c) for c in layer.bias_axes)
-    kept = "".join(c for c in out[first:] if c in layer.bias_axes)
-    bias_shape = layer.bias.shape
-
-    def bias_grads(dz):
-      return terms.rows(tf.einsum(f"{out}->{batch}{kept}", dz), list(bias_shape))
-    rec.add(layer.bias, terms.Term(index, bias_grads))
-    z = keras.ops.add(z, layer.bias)
+    kept = [k for k, c in enumerate(out) if k >= first and c in layer.bias_axes]
+    summed = [k for k in range(1, len(out)) if k not in kept]
+    rec.add(bias, terms.reduce_term(index, bias.shape, summed))
+    z = keras.ops.add(z, bias)
   return _activate(layer, z)
 
 
@@ -212,6 +214,11 @@ def _affine(layer, rec, x_hat, channel_axes):
     rec.add(layer.gamma, terms.reduce_term(index, layer.gamma.shape, reduce_axes, x_hat))
   if layer.beta is not None:
     rec.add(layer.beta, terms.reduce_term(index, layer.beta.shape, reduce_axes))
+  if layer.gamma is not None and layer.beta is not None:
+    def joint(dz):  # [B, 2, *parameter shape]: gamma's rows, then beta's.
+      both = tf.stack([x_hat * dz, dz], axis=1)
+      yield terms.flat(tf.reduce_sum(both, axis=[a + 1 for a in reduce_axes]))
+    rec.add_joint(terms.Joint((layer.gamma, layer.beta), index, joint))
   return tf.cast(out, layer.compute_dtype)
 
 

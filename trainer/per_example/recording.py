@@ -154,6 +154,7 @@ class Recording:
   Attributes:
     outputs: the watched tensors; differentiate the loss with respect to them.
     terms: {variable index: [terms.Term, ...]} (several when a layer was called several times).
+    joints: [(variable indices, terms.Joint)], for layer calls whose variables are all recorded.
     batch_size: scalar tensor B of the first recorded output (None if nothing was recorded).
   """
 
@@ -161,6 +162,7 @@ class Recording:
     self.recorder = recorder
     self.outputs = []
     self.terms = {i: [] for i in recorder.direct_indices}
+    self.joints = []
     self.batch_size = None
     self._tape = tape
 
@@ -178,6 +180,12 @@ class Recording:
     index = self.recorder.index_of(variable)
     if index is not None and index in self.terms:
       self.terms[index].append(term)
+
+  def add_joint(self, joint) -> None:
+    """Registers a `terms.Joint` (ignored unless all its variables are being differentiated)."""
+    indices = tuple(self.recorder.index_of(v) for v in joint.variables)
+    if all(i is not None and i in self.terms for i in indices):
+      self.joints.append((indices, joint))
 
   def ghost_indices(self) -> list:
     """Direct variables whose statistics use Gram norms and forward dots (not materialised)."""

@@ -19,18 +19,38 @@ Most per-example gradients are linear maps of a sum over positions t of an outer
 g_i = sum_t a_it b_it^T with a_i [T, K] and b_i [T, O] (`outer_term`). Its squared norm is then
 either |g_i|^2 after materialising g_i (T K O multiply-adds, K O floats kept per example) or,
 the Gram trick, <a_i a_i^T, b_i b_i^T> (T^2 (K + O) multiply-adds, nothing kept; for T = 1 just
-|a_i|^2 |b_i|^2). `costs` carries both estimates per example so the caller can choose.
+|a_i|^2 |b_i|^2). `costs` carries both estimates so the caller can choose.
+
+A `Joint` covers several variables of one layer call at once (kernel and bias, gamma and beta):
+its pieces are the concatenation of their flattened per-example gradients, e.g. the kernel
+product with a column of ones appended to the input, whose extra row is the bias gradient. One
+matmul then gives both, and the statistics reduce them together.
 """
 import dataclasses
 from typing import Callable
 
 import tensorflow as tf
 
-# Extra cost per kept float of a materialised per-example gradient (written once, read for the
-# norm, the batch sum and the later dot), in multiply-add units. Measured on 2 CPU cores: the
-# small CNN's Dense 1600x128 (T = 1) is cheaper by Gram; sequence layers with T >= 8 and small
-# K O (the text Transformer's projections) are cheaper materialised.
+# Cost model, in multiply-add units. A materialised per-example float is written once and read
+# for the norm, the batch sum and the dot: KEPT_FLOAT_COST. Every executed op costs a fixed
+# OP_COST (thread-pool dispatch, ~10 us on 2 CPU cores: small layers are cheaper materialised
+# into the statistics' shared matrix, 1 matmul, than by their ~8 Gram and forward ops).
+# Measured on 2 CPU cores: the small CNN's Dense 1600x128 (T = 1) is cheaper by Gram, the text
+# Transformer's 16-position 32x32 projections and its 32x2 head cheaper materialised.
 KEPT_FLOAT_COST = 8.0
+OP_COST = 2e5
+MATERIALIZE_OPS, GHOST_OPS = 3, 9
+ASSUMED_BATCH = 64  # For the cost model when the batch size is not static.
+
+
+def choice_costs(batch, steps, k, o):
+  """(materialise, ghost) total cost estimates of an outer-product term, or None."""
+  if steps is None:
+    return None
+  batch = batch or ASSUMED_BATCH
+  materialise = batch * (steps * k * o + KEPT_FLOAT_COST * k * o) + MATERIALIZE_OPS * OP_COST
+  ghost = batch * (steps * steps * (k + o) + steps * k * o) + GHOST_OPS * OP_COST
+  return materialise, ghost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +111,23 @@ def reduce_term(output, shape, reduce_axes, weight=None):
   return Term(output, grads)
 
 
-def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None, blocks=None):
+@dataclasses.dataclass(frozen=True)
+class Joint:
+  """Per-example gradients of several variables of one layer call, in one go.
+
+  Attributes:
+    variables: the variables, in layout order.
+    output: index of the recorded output whose gradient dz drives it.
+    pieces: dz -> iterable of [B, n_k] float32 pieces whose concatenation along axis 1 is the
+      concatenation of the variables' flattened per-example gradients, in order.
+  """
+  variables: tuple
+  output: int
+  pieces: Callable
+
+
+def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None, blocks=None,
+               batch=None):
   """Per-example kernel gradient g_i = sum_t a_it b_it^T, reshaped to `kernel_shape`.
 
   Args:
@@ -103,6 +139,7 @@ def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None, blo
     sizes: static (T, K, O); T may be None (unknown sequence length: always materialise).
     materialize: optional faster dz -> [B, *kernel_shape] replacing the batched matmul.
     blocks: optional dz -> row-major pieces [B, n_k] of the same (see `Term.blocks`).
+    batch: the static batch size, if known (for the cost model).
   """
   steps, k, o = sizes
   kernel_shape = list(kernel_shape)
@@ -110,12 +147,7 @@ def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None, blo
   def grads(dz):
     if materialize is not None:
       return materialize(dz)
-    a, b = pair(dz)
-    if steps == 1:  # Outer products: [B, K, 1] x [B, 1, O].
-      g = tf.matmul(a[:, 0, :, None], b[:, 0, None, :])
-    else:
-      g = tf.matmul(a, b, transpose_a=True)
-    return tf.reshape(g, [-1] + kernel_shape)
+    return tf.reshape(outer_products(*pair(dz), steps), [-1] + kernel_shape)
 
   def gram_norms(dz):
     a, b = pair(dz)
@@ -129,10 +161,41 @@ def outer_term(output, pair, kernel_shape, forward, sizes, materialize=None, blo
     return tf.reshape(tf.matmul(tf.reshape(a, [-1, k]), tf.reshape(b, [-1, o]), transpose_a=True),
                       kernel_shape)
 
-  costs = None
-  if steps is not None:
-    costs = (steps * k * o + KEPT_FLOAT_COST * k * o, steps * steps * (k + o) + steps * k * o)
-  return Term(output, grads, gram_norms, forward_dots(forward), batch_sum, costs, blocks)
+  return Term(output, grads, gram_norms, forward_dots(forward), batch_sum,
+              choice_costs(batch, steps, k, o), blocks)
+
+
+def outer_products(a, b, steps):
+  """Per-example sum_t a_t b_t^T: [B, T, K] x [B, T, O] -> [B, K, O]."""
+  if steps == 1:  # Outer products: [B, K, 1] x [B, 1, O].
+    return tf.matmul(a[:, 0, :, None], b[:, 0, None, :])
+  return tf.matmul(a, b, transpose_a=True)
+
+
+def with_ones(a):
+  """[B, T, K] -> [B, T, K + 1], a column of ones appended (its product row: sum_t b_t)."""
+  return tf.concat([a, tf.ones_like(a[..., :1])], axis=-1)
+
+
+def dense_like(rec, index, kernel, bias, a_of, dz_rows, sizes, forward, batch):
+  """Registers the kernel's outer-product term, the bias term and their joint.
+
+  `a_of()`: the input as [B, T, K]; `dz_rows(dz)`: dz as [B, T, O]; the kernel's row-major layout
+  must be (K, O) and the bias' (O,).
+  """
+  steps = sizes[0]
+
+  def pair(dz):
+    return a_of(), dz_rows(dz)
+
+  rec.add(kernel, outer_term(index, pair, kernel.shape, forward, sizes, batch=batch))
+  if bias is None:
+    return
+  rec.add(bias, Term(index, lambda dz: rows(tf.reduce_sum(dz_rows(dz), axis=1), list(bias.shape))))
+
+  def joint(dz):  # [x, 1]^T dz: the kernel rows, then the bias row.
+    yield flat(outer_products(with_ones(a_of()), dz_rows(dz), steps))
+  rec.add_joint(Joint((kernel, bias), index, joint))
 
 
 def forward_dots(forward):
