@@ -310,3 +310,24 @@ def test_argument_errors():
     per_example_gradients(model, _xent, batch, chunk_size=-1)
   with pytest.raises(ValueError, match="loss_fn must return per-example losses"):
     per_example_gradients(model, lambda m, b: tf.reduce_sum(_xent(m, b)), batch)
+
+
+def test_loss_fn_with_tensor_control_flow_is_autographed_when_the_caller_is():
+  # The library traces without AutoGraph; the user's loss_fn is still converted when called
+  # from an AutoGraph tf.function, as it would have been without the library in between.
+  model = _scaled_dense_model()
+  batch = _batch_for(model, 5)
+
+  def loss_fn(m, b):
+    losses = _xent(m, b)
+    if tf.reduce_sum(losses) > 0.0:  # A tensor condition: needs AutoGraph inside tf.function.
+      losses = 2.0 * losses
+    return losses
+
+  ref = [2.0 * g for g in _loop_grads(model, _xent, batch, model.trainable_variables)]
+  for path in ("vectorized_map", "loop"):
+    traced = tf.function(lambda b, path=path: per_example_gradients(
+        model, loss_fn, b, general_path=path))(batch)
+    _assert_close_rel(traced, ref, 1e-5, f"autographed loss_fn, {path}")
+  with pytest.raises(TypeError, match="tf.Tensor. as a Python .bool."):
+    tf.function(lambda b: per_example_gradients(model, loss_fn, b), autograph=False)(batch)

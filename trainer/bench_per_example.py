@@ -237,6 +237,7 @@ def plot(rows, path):
     raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
   matplotlib.use("Agg")
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
   models = [m for m in MODELS if any(r["model"] == m for r in rows)]
   fig, axes = pyplot.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
   for ax, model in zip(axes[0], models):
@@ -244,12 +245,21 @@ def plot(rows, path):
       points = sorted((r["batch_size"], r["ratio_to_batch_gradient"]) for r in rows
                       if r["model"] == model and r["method"] == method
                       and r["ratio_to_batch_gradient"] is not None)
+      failed = sorted(r["batch_size"] for r in rows
+                      if r["model"] == model and r["method"] == method and r.get("error"))
+      label = method + (f" (died at B={','.join(map(str, failed))})" if failed else "")
       if points:
-        ax.plot(*zip(*points), marker="o", label=method)
-    ax.set(title=model, xlabel="batch size B", ylabel="time / batch gradient", xscale="log",
-           yscale="log")
-    ax.set_xticks(sorted({r["batch_size"] for r in rows}), labels=None)
-    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.plot(*zip(*points), marker="o", label=label)
+      elif failed:
+        ax.plot([], [], marker="x", linestyle="", label=label)
+    ax.axhline(1.2, color="gray", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sorted({r["batch_size"] for r in rows if r["model"] == model}))
+    for axis in (ax.xaxis, ax.yaxis):
+      axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+      axis.set_minor_formatter(ticker.NullFormatter())
+    ax.set(title=model, xlabel="batch size B", ylabel="median time / batch gradient")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
   fig.tight_layout()
