@@ -166,7 +166,7 @@ def test_transformer_b64_default_path_and_loop_path_survive_onednn_in_subprocess
   env.update(TF_CPP_MIN_LOG_LEVEL="0", PYTHONPATH=os.path.dirname(HERE))
   done = subprocess.run([sys.executable, os.path.join(HERE, "per_example_worker.py")],
                         capture_output=True, text=True, env=env, timeout=600, check=False)
-  assert done.returncode == 0, done.stderr[-3000:]
+  assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
   assert "oneDNN custom operations are on" in done.stderr
   errors = dict(line.split()[1:] for line in done.stdout.splitlines()
                 if line.startswith("ERROR "))

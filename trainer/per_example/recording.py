@@ -6,14 +6,17 @@
         losses = loss_fn(model, batch)          # [B]
       loss = tf.reduce_sum(losses * c)          # any per-example weights c_i
     grads, dzs = tape.gradient(loss, (variables, rec.outputs))   # ONE backward pass
-    per_example = rec.gradients(dzs)            # {variable index: [B, *shape]}, or ghost.py
+    per_example = rec.gradients(dzs)            # {index: [B, *shape]} (rows c_i g_i), or ghost.py
 
 While `record` is active, every covered layer (see `layers.py`) runs an equivalent `call` that
-watches its pre-activation output z (and any intermediate its formulas need), appends it to
-`rec.outputs`, and registers one `terms.Term` per covered variable. Because row i of z reaches
-only loss_i, row i of dz = dloss/dz is c_i times example i's own gradient there, and the terms
-turn it into per-example gradients, Gram norms or dots. BatchNormalization layers called with
-training=True are refused (batch statistics mix the examples).
+watches the output z of its linear part (before bias and activation; plus any intermediate its
+formulas need), appends it to `rec.outputs`, and registers one `terms.Term` per covered variable
+(and a `terms.Joint` for kernel and bias together). Because row i of z reaches only loss_i, row
+i of dz = dloss/dz is c_i times example i's own gradient there, and the terms turn it into
+per-example gradients, Gram norms or dots. The recorded forward computes what Keras' `call`
+does, up to float rounding where it is recomposed (normalisation as x_hat * gamma + beta,
+SeparableConv as depthwise then pointwise). BatchNormalization layers called with training=True
+are refused (batch statistics mix the examples).
 
 Context: Python-level patching, active while the `with` block runs: eagerly, or while tracing
 inside `tf.function`, in replica or cross-replica context; it never communicates. Under
