@@ -178,9 +178,10 @@ def replica_statistics(per_example_grads: Sequence[tf.Tensor], variables: Sequen
       raise ValueError(f"per_example_grads: shape {g.shape} does not match [b, *{v.shape}] of "
                        f"variable {recording.variable_name(v)}.")
   ctx = _replica_context()
-  found = ghost.combine(list(variables),
-                        [((i,), [terms.flat(g)]) for i, g in enumerate(per_example_grads)], {},
-                        self_dots=ctx.num_replicas_in_sync == 1)
+  variables = list(variables)
+  groups = [ghost.PiecesGroup((i,), [terms.flat(g)], variables)
+            for i, g in enumerate(per_example_grads)]
+  found = ghost.combine(variables, groups, {}, self_dots=ctx.num_replicas_in_sync == 1)
   return _combine(ctx, found, return_batch_grads)
 
 
