@@ -17,9 +17,12 @@ Methods (all on the same model and batch):
                     one batch (norms, dots with the batch gradient, ...) without [B, P]
   batch_gradient    traced gradient of the mean loss (the reference cost)
 
-Each (model, method, batch size) runs in its own subprocess (unless --in_process), eagerly
-driving traced functions on the host: 2 warm-up calls, then the median (and min) wall time of
-`repeats` calls; `ratio_to_batch_gradient` divides medians of the same model and batch size.
+Each (model, method, batch size) runs in its own subprocess, eagerly driving traced functions on
+the host: 2 warm-up calls, then the median (and min) wall time of `repeats` calls;
+`ratio_to_batch_gradient` divides medians of the same model and batch size. `--in_process`
+instead builds all methods of a (model, batch size) in this process and times them in turn,
+one call each per round: no memory columns, but load changes on a shared machine hit every
+method alike, so its ratios are the steadier ones there.
 A subprocess that dies (e.g. pfor through MultiHeadAttention with oneDNN on: SIGSEGV) gives a
 row with `error` set instead of times.
 Memory: `peak_rss_mib` is the subprocess' ru_maxrss; `rss_growth_mib` is that peak minus the
@@ -66,7 +69,8 @@ def _parse(argv):
   p.add_argument("--json", default="", help="write the rows as a JSON list to this file")
   p.add_argument("--plot", default="", help="write a PNG of time / batch_gradient vs B here")
   p.add_argument("--in_process", action="store_true",
-                 help="run everything in this process (faster; no per-method memory)")
+                 help="time the methods in turn in this process (steadier ratios on a loaded "
+                      "machine; no per-method memory)")
   p.add_argument("--_worker", nargs=4, metavar=("MODEL", "METHOD", "BATCH", "REPEATS"),
                  help=argparse.SUPPRESS)
   args = p.parse_args(argv)
@@ -175,6 +179,23 @@ def _make_method(name, model):
   return tf.function(batch_gradient)
 
 
+def _median(times):
+  times = sorted(times)
+  mid = len(times) // 2
+  return times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+
+
+def _timed(fn, x, y):
+  start = time.perf_counter()
+  fn(x, y)  # Eager host call: returns after the computation has run (CPU, synchronous).
+  return time.perf_counter() - start
+
+
+def _row(model_name, method, batch_size, times):
+  return {"model": model_name, "method": method, "batch_size": batch_size,
+          "median_ms": 1e3 * _median(times), "min_ms": 1e3 * min(times), "repeats": len(times)}
+
+
 def measure(model_name, method, batch_size, repeats):
   """Times one method on one model at one batch size in this process; returns a row dict."""
   model, (x, y) = model_and_batch(model_name, batch_size)
@@ -182,20 +203,27 @@ def measure(model_name, method, batch_size, repeats):
   rss_before = _rss_mib()
   for _ in range(2):
     fn(x, y)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn(x, y)  # Eager host call: returns after the computation has run (CPU, synchronous).
-    times.append(time.perf_counter() - start)
-  times.sort()
-  mid = len(times) // 2
-  median = times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid])
+  row = _row(model_name, method, batch_size, [_timed(fn, x, y) for _ in range(repeats)])
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  return {"model": model_name, "method": method, "batch_size": batch_size,
-          "median_ms": 1e3 * median,
-          "min_ms": 1e3 * times[0],
-          "repeats": repeats, "peak_rss_mib": round(peak, 1),
-          "rss_growth_mib": round(peak - rss_before, 1)}
+  row.update(peak_rss_mib=round(peak, 1), rss_growth_mib=round(peak - rss_before, 1))
+  return row
+
+
+def measure_interleaved(model_name, methods, batch_size, repeats):
+  """Times several methods in this process, one call of each in turn per round (so that a
+  shared machine's load changes hit them alike); returns rows without memory columns."""
+  model, (x, y) = model_and_batch(model_name, batch_size)
+  fns = {m: _make_method(m, model) for m in methods}
+  for fn in fns.values():
+    for _ in range(2):
+      fn(x, y)
+  times = {m: [] for m in methods}
+  for round_index in range(max(repeats.values())):
+    for m, fn in fns.items():
+      if round_index < repeats[m]:
+        times[m].append(_timed(fn, x, y))
+  return [dict(_row(model_name, m, batch_size, times[m]), peak_rss_mib=None, rss_growth_mib=None)
+          for m in methods]
 
 
 def _run_worker(model, method, batch_size, repeats):
@@ -275,18 +303,17 @@ def main(argv) -> int:
   rows = []
   for model in args.models:
     for batch_size in args.batch_sizes:
-      for method in args.methods:
-        if method in SLOW and batch_size > args.slow_methods_max_batch:
-          continue
-        repeats = args.slow_repeats if method in SLOW else args.repeats
-        if args.in_process:
-          row = measure(model, method, batch_size, repeats)
-          row["peak_rss_mib"] = row["rss_growth_mib"] = None
-        else:
-          row = _run_worker(model, method, batch_size, repeats)
-        rows.append(row)
-        print(f"  {model} {method} B={batch_size}: {_num(row['median_ms'], 0, 1)} ms",
+      methods = [m for m in args.methods
+                 if m not in SLOW or batch_size <= args.slow_methods_max_batch]
+      repeats = {m: args.slow_repeats if m in SLOW else args.repeats for m in methods}
+      if args.in_process:
+        found = measure_interleaved(model, methods, batch_size, repeats)
+      else:
+        found = [_run_worker(model, m, batch_size, repeats[m]) for m in methods]
+      for row in found:
+        print(f"  {model} {row['method']} B={batch_size}: {_num(row['median_ms'], 0, 1)} ms",
               file=sys.stderr, flush=True)
+      rows.extend(found)
   base = {(r["model"], r["batch_size"]): r["median_ms"] for r in rows
           if r["method"] == "batch_gradient"}
   for r in rows:
