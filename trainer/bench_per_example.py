@@ -233,7 +233,7 @@ def _run_worker(model, method, batch_size, repeats):
     return bench_util.run_row(cmd, f"bench worker {model} {method} B={batch_size}",
                               timeout_s=1200)
   except RuntimeError as e:  # E.g. pfor through MultiHeadAttention: SIGSEGV.
-    first = str(e).splitlines()[0]
+    first = str(e).splitlines()[0].rstrip(":")
     print(f"  {first}", file=sys.stderr, flush=True)
     return {"model": model, "method": method, "batch_size": batch_size, "median_ms": None,
             "min_ms": None, "repeats": repeats, "peak_rss_mib": None, "rss_growth_mib": None,
