@@ -3,11 +3,14 @@
 A `Rule` replaces a layer's `call` while a forward pass is recorded (`recording.py`). The
 replacement computes the same outputs as Keras' own `call`, and also registers:
 * the tensors the formulas need (the layer input x, or the normalised input x_hat);
-* the watched output z, whose gradient dz comes from the caller's backward pass;
-* one `terms.Term` per variable, turning dz into per-example gradients, Gram norms and dots.
+* the watched output z (the linear part, before bias and activation), whose gradient dz comes
+  from the caller's backward pass;
+* one `terms.Term` per variable, turning dz into per-example gradients, Gram norms and dots, and
+  a `terms.Joint` for a kernel and its bias together.
 
 Covered here (exact Keras classes, channels_last, no LoRA, no quantization, no remat):
-* `Dense`: z = x W + b. W: outer-product term over the positions of x (rank >= 2); b: sum of dz.
+* `Dense`: z = x W (then + b). W: outer-product term over the positions of x (rank >= 2);
+  b: sum of dz over positions.
 * `EinsumDense` with a leading explicit batch letter not in the kernel (MultiHeadAttention's
   projections): outer-product term when the equation is "batch, positions, contracted ->
   batch, positions, kernel outputs" (e.g. "abc,cde->abde"), else the kernel-gradient einsum

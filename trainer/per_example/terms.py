@@ -3,8 +3,8 @@
 Pure tensor functions; they run eagerly or traced, in any replica context, and never
 communicate. Every direct formula in `layers.py` and `conv.py` is expressed as terms.
 
-A recorded call produces an output z (the layer's pre-activation, or any tensor the formulas
-need) whose gradient dz = d(sum_i c_i loss_i)/dz the caller obtains from its own backward pass;
+A recorded call produces an output z (the layer's linear part before bias and activation, or
+any tensor the formulas need) whose gradient dz = d(sum_i c_i loss_i)/dz the caller obtains from its own backward pass;
 row i of dz belongs to example i alone. A term turns dz into:
 
 * `grads(dz)`: the per-example gradients [B, *var.shape] (materialised);
