@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from trainer import grad_stats
+from trainer.per_example import statistics
 from trainer import strategies
 from trainer.per_example import per_example_gradients
 
@@ -25,7 +25,7 @@ def _vars(*shapes):
 
 
 def _stats(grads, variables):
-  out = grad_stats.replica_statistics([tf.constant(g, tf.float32) for g in grads], variables)
+  out = statistics.replica_statistics([tf.constant(g, tf.float32) for g in grads], variables)
   return {k: v.numpy() for k, v in out.items()}
 
 
@@ -93,7 +93,7 @@ def test_pure_noise_scale_formula():
   # With exact expectations |G_b|^2 = g2 + S/b: the estimator returns S and g2 exactly.
   g2, s_true = 2.0, 30.0
   small, big = g2 + s_true / 8, g2 + s_true / 64
-  b_simple, s, g = grad_stats.noise_scale(small, big, 8.0, 64.0)
+  b_simple, s, g = statistics.noise_scale(small, big, 8.0, 64.0)
   np.testing.assert_allclose([b_simple, s, g], [s_true / g2, s_true, g2], rtol=1e-12)
 
 
@@ -121,7 +121,7 @@ def test_mirrored_two_replicas_equal_single_replica_and_one_all_reduce():
 
   def replica_step(xs, ys):
     grads = per_example_gradients(model, _loss, (xs, ys))
-    return grad_stats.replica_statistics(grads, model.trainable_variables)
+    return statistics.replica_statistics(grads, model.trainable_variables)
 
   @tf.function
   def step(xs, ys):
@@ -136,7 +136,7 @@ def test_mirrored_two_replicas_equal_single_replica_and_one_all_reduce():
   # Single replica on the same global batch (default strategy, eager).
   single_model = _tiny_model()
   single_grads = per_example_gradients(single_model, _loss, (x, y))
-  single = grad_stats.replica_statistics(single_grads, single_model.trainable_variables)
+  single = statistics.replica_statistics(single_grads, single_model.trainable_variables)
   for key in SCALARS + ("norms", "cosines", "var_norms", "var_mean_norm"):
     for replica_value in dist[key]:  # Both replicas hold the global value.
       np.testing.assert_allclose(replica_value, single[key].numpy(), rtol=1e-5, atol=1e-7,
@@ -145,7 +145,7 @@ def test_mirrored_two_replicas_equal_single_replica_and_one_all_reduce():
   # gns with b_small = per-replica batch: the estimator on numpy means of the two halves.
   flat = np.concatenate([g.numpy().reshape(b, -1) for g in single_grads], axis=1)
   halves_sq = np.mean([np.sum(flat[i * 4:(i + 1) * 4].mean(0)**2) for i in range(2)])
-  expected = grad_stats.noise_scale(halves_sq, np.sum(flat.mean(0)**2), 4.0, 8.0)
+  expected = statistics.noise_scale(halves_sq, np.sum(flat.mean(0)**2), 4.0, 8.0)
   for replica_value in dist["gns"]:
     np.testing.assert_allclose(replica_value, expected[0], rtol=1e-4)
 
@@ -158,6 +158,6 @@ def test_mirrored_two_replicas_equal_single_replica_and_one_all_reduce():
 
 def test_argument_errors():
   with pytest.raises(ValueError, match="per_example_grads has 1 tensors"):
-    grad_stats.replica_statistics([tf.zeros([2, 3])], _vars((3,), (2,)))
+    statistics.replica_statistics([tf.zeros([2, 3])], _vars((3,), (2,)))
   with pytest.raises(ValueError, match="does not match"):
-    grad_stats.replica_statistics([tf.zeros([2, 4])], _vars((3,)))
+    statistics.replica_statistics([tf.zeros([2, 4])], _vars((3,)))

@@ -1,0 +1,53 @@
+"""The per-example benchmark's interface: flags, rows with a model field, the plot.
+
+Runs the measurement in-process on tiny batches (the figures themselves are not checked here).
+"""
+import json
+import sys
+
+import pytest
+
+from trainer.bench import per_example as bench
+
+
+def test_flags_models_methods_and_one_line_errors(capsys):
+  args = bench._parse(["--models=text_transformer", "--methods=ghost_statistics,batch_gradient",
+                       "--batch_sizes=4,8", "--plot", "out.png"])
+  assert args.models == ["text_transformer"]
+  assert args.methods == ["ghost_statistics", "batch_gradient"]
+  assert (args.batch_sizes, args.plot) == ([4, 8], "out.png")
+  assert bench._parse([]).models == ["small_cnn", "text_transformer"]
+  for bad in (["--models=resnet"], ["--methods=ghost"], ["--batch_sizes=0"]):
+    with pytest.raises(SystemExit):
+      bench._parse(bad)
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("python -m trainer.bench per_example: error:"), error
+
+
+def test_in_process_rows_have_model_and_ratio_and_plot(tmp_path, capsys):
+  out = tmp_path / "rows.json"
+  png = tmp_path / "plot.png"
+  assert bench.main(["--models=small_cnn,text_transformer", "--batch_sizes=4",
+                     "--methods=ghost_statistics,batch_gradient", "--repeats=1", "--in_process",
+                     f"--json={out}", f"--plot={png}"]) == 0
+  rows = json.loads(out.read_text())
+  assert [(r["model"], r["method"]) for r in rows] == [
+      ("small_cnn", "ghost_statistics"), ("small_cnn", "batch_gradient"),
+      ("text_transformer", "ghost_statistics"), ("text_transformer", "batch_gradient")]
+  for r in rows:
+    assert r["median_ms"] > 0 and r["batch_size"] == 4
+    assert r["ratio_to_batch_gradient"] == pytest.approx(
+        r["median_ms"] / next(b["median_ms"] for b in rows
+                              if b["model"] == r["model"] and b["method"] == "batch_gradient"),
+        abs=1e-3)
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert "text_transformer  ghost_statistics" in capsys.readouterr().out
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails.
+  rows = [{"model": "small_cnn", "method": "batch_gradient", "batch_size": 4,
+           "ratio_to_batch_gradient": 1.0}]
+  with pytest.raises(SystemExit) as info:
+    bench.plot(rows, str(tmp_path / "x.png"))
+  assert str(info.value) == "--plot needs matplotlib (pip install matplotlib)"

@@ -1,0 +1,98 @@
+"""The general path: per-example gradients of variables that have no direct formula.
+
+`general_path` chooses how (the `per_example.general_path` setting):
+* `vectorized_map` (default): `tf.vectorized_map` (pfor) of one example's gradient, i.e. the
+  loop of single-example GradientTapes, vectorized. Fast, but pfor has no vectorized form for
+  some kernels (it falls back to a while_loop), and TF 2.20 with oneDNN on (TF's x86 default)
+  kills the process with a segmentation fault when it vectorizes a forward pass through Keras
+  MultiHeadAttention at B >= 2. Models built from the layers of `layers.py` and `conv.py` never
+  get here.
+* `loop`: a compiled `tf.while_loop` over the examples, each iteration one example's
+  GradientTape. Slower (B small forward/backward passes) but nothing is vectorized, so no crash.
+  Called eagerly, the loop is wrapped in a `tf.function` (traced on every call).
+* `error`: refuse, with a one-line ValueError naming the variables and why their layers have no
+  direct formula (raised when the `Recorder` is built).
+
+Each general-path example runs its own forward pass (batch size 1): random layers draw their own
+masks there. Runs eagerly or traced, in replica or cross-replica context; no communication.
+"""
+import keras
+import tensorflow as tf
+
+PATHS = ("vectorized_map", "loop", "error")
+
+
+# Library code has no tensor-dependent Python control flow: it runs without AutoGraph (tracing
+# it with AutoGraph costs time and a few MiB per process). User callables (loss_fn) are converted
+# exactly when the caller runs with AutoGraph on, as tf.function would have done.
+no_autograph = tf.autograph.experimental.do_not_convert
+
+
+def user_fn(fn):
+  """`fn` converted by AutoGraph iff the calling context has AutoGraph on (tf.function's default)."""
+  return tf.__internal__.autograph.tf_convert(
+      fn, tf.__internal__.autograph.control_status_ctx(), convert_by_default=False)
+
+
+def check_path(general_path: str) -> None:
+  if general_path not in PATHS:
+    raise ValueError(f"`general_path` must be one of {', '.join(PATHS)}; got {general_path!r}.")
+
+
+def refusal(descriptions) -> str:
+  """The one-line error for `general_path='error'`; `descriptions`: 'variable (reason)'."""
+  return (f"per_example: general_path='error' and {len(descriptions)} variable(s) have no "
+          f"direct formula: {'; '.join(descriptions)}. Use general_path='loop' or "
+          "'vectorized_map', or pass `variables` without them.")
+
+
+def check_losses(losses):
+  """The [B] per-example losses of a loss_fn, or a ValueError naming the wrong shape."""
+  losses = tf.convert_to_tensor(losses)
+  if losses.shape.rank != 1:
+    raise ValueError(
+        f"loss_fn must return per-example losses of shape [B]; got shape {losses.shape}.")
+  return losses
+
+
+def unwrap(v):
+  """The tf.Variable (or DistributedVariable) behind a Keras variable; others unchanged."""
+  return v.value if isinstance(v, keras.Variable) else v
+
+
+def gradients(model, loss_fn, batch, variables, general_path, guard):
+  """One [B, *var.shape] tensor per variable of `variables`, by the chosen general path.
+
+  `guard()` is a context manager active around each single-example forward pass (the
+  recorder's BatchNormalization refusal).
+  """
+  check_path(general_path)
+  if not variables:
+    return []
+  if general_path == "error":
+    raise ValueError(refusal([getattr(v, "path", getattr(v, "name", "?")) for v in variables]))
+
+  def one_example(example):
+    with tf.GradientTape() as tape:
+      tape.watch([unwrap(v) for v in variables])
+      with guard():
+        loss = tf.reduce_sum(check_losses(loss_fn(model, example)))
+    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    return [tf.convert_to_tensor(g) for g in grads]
+
+  if general_path == "vectorized_map":
+    return tf.vectorized_map(
+        lambda e: one_example(tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), e)), batch)
+
+  def loop(batch):
+    size = tf.shape(tf.nest.flatten(batch)[0])[0]
+    arrays = [tf.TensorArray(v.dtype, size=size, element_shape=v.shape) for v in variables]
+
+    def body(i, arrays):
+      example = tf.nest.map_structure(lambda t: t[i:i + 1], batch)
+      return i + 1, [a.write(i, g) for a, g in zip(arrays, one_example(example))]
+
+    _, arrays = tf.while_loop(lambda i, _: i < size, body, (tf.constant(0), arrays))
+    return [a.stack() for a in arrays]
+
+  return tf.function(loop)(batch) if tf.executing_eagerly() else loop(batch)

@@ -1,0 +1,271 @@
+"""Ghost statistics terms: per-example squared norms now, dots with a gradient known later.
+
+    recorder = Recorder(model)
+    with tf.GradientTape() as tape:
+      with recorder.record(tape) as rec:         # recording.py: the caller's own forward
+        losses = loss_fn(model, batch)
+      loss = tf.reduce_sum(c * losses)
+    grads, dzs = tape.gradient(loss, (variables, rec.outputs))    # the caller's ONE backward
+    terms = ghost_norms(rec, dzs, example_scale=c,
+                        general_grads=recorder.general_gradients(loss_fn, batch))
+    terms.sq_norms                               # [B, V] per-variable |g_iv|^2
+    ... all-reduce (e.g. of the caller's gradient, or `terms.packed_sums`) ...
+    dots = terms.dots(global_grads)              # [B] <g_i, G>, G one tensor per variable
+
+Per variable, one of:
+* ghost (`Recording.ghost_indices()`: one recorded call, a Gram form exists and is cheaper, or
+  `layer_method='ghost'`): |g_i|^2 by the Gram trick, <g_i, G> by the forward formula at G
+  (`terms.py`), the batch sum by the contraction over batch and positions (what backprop
+  computes). Nothing of size [B, P_layer] is formed.
+* materialised (small layers, normalisation scales, biases, depthwise kernels, layers called
+  more than once, general-path variables from `general_grads`): the per-example gradients of
+  that variable are formed, as row-major pieces (`Term.blocks`, e.g. one per kernel tap; a
+  layer's kernel and bias together when both are materialised, `terms.Joint`), and reduced
+  piece by piece. The pieces are kept until `dots` unless `self_dots=True`: then the dots with
+  this batch's own gradient sum are computed in the same pass and nothing is kept (one replica:
+  the global gradient is the local one).
+The per-layer choice (`terms.choice_costs`) bounds the materialised size by the layer's
+activations: a layer is materialised when T K O (+ K O kept) is cheaper than T^2 (K + O).
+
+`example_scale` c_i: when the caller's loss is sum_i c_i loss_i (e.g. weights / global count),
+the recorded dz rows are c_i g_i; they are divided by c_i (0 where c_i = 0) so that every
+quantity describes g_i = grad loss_i. General-path gradients are already unscaled.
+Eager or traced, replica or cross-replica context; no communication. Call `dots` in the same
+function (trace) as `ghost_norms`: it reuses the recorded tensors.
+"""
+import numpy as np
+import tensorflow as tf
+
+from trainer.per_example import general
+from trainer.per_example import terms as terms_lib
+
+
+def _width(variable) -> int:
+  return int(np.prod(variable.shape))
+
+
+def _batch_dot(a, b):
+  """[B, n] x [n] -> [B] (elementwise, see `combine`)."""
+  return tf.reduce_sum(a * b, axis=1)
+
+
+class GhostTerms:
+  """Per-example squared norms of one batch, its gradient sum, and dots against a gradient.
+
+  Attributes:
+    sq_norms: [B, V] float32 |g_iv|^2 per example and variable (order of the recorder's
+      `variables`).
+    packed_sums: [P] float32 sum_i g_i of every variable, flattened and concatenated in the
+      order of `order` (what a packed all-reduce carries).
+    order: variable indices in packing order; `sizes`: their numbers of elements.
+    self_dots: [B] <g_i, sum_j g_j> when built with `self_dots=True`, else None.
+    ghost_indices: variables whose norms and dots use Gram and forward forms.
+  """
+
+  def __init__(self, variables, sq_norms, packed_sums, order, kept, ghost, self_dots):
+    self.sq_norms, self.packed_sums, self.self_dots = sq_norms, packed_sums, self_dots
+    self.order = order
+    self.sizes = [_width(variables[i]) for i in order]
+    self.ghost_indices = sorted(ghost)
+    self._variables = variables
+    self._kept, self._ghost = kept, ghost
+
+  def unpack(self, packed):
+    """A packed [P] vector (e.g. the all-reduced sums) -> one tensor per variable, var order."""
+    pieces = tf.split(packed, self.sizes)
+    out = [None] * len(self._variables)
+    for i, piece in zip(self.order, pieces):
+      out[i] = tf.reshape(piece, self._variables[i].shape)
+    return out
+
+  @property
+  def batch_sums(self):
+    """sum_i g_iv per variable, in variable order."""
+    return self.unpack(self.packed_sums)
+
+  @general.no_autograph
+  def dots(self, grads) -> tf.Tensor:
+    """[B] per-example <g_i, G>, G given as one tensor per variable (variable order)."""
+    return self.dots_packed(tf.concat(
+        [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in self.order], axis=0))
+
+  @general.no_autograph
+  def dots_packed(self, packed) -> tf.Tensor:
+    """[B] per-example <g_i, G>, G given packed in `order` (e.g. the all-reduced vector)."""
+    if self._kept is None:
+      raise ValueError("GhostTerms built with self_dots=True kept no per-example pieces; "
+                       "use `self_dots`, or build with self_dots=False.")
+    parts, offset = [], 0
+    for group, state, width in self._kept:
+      parts.append(group.dots(state, packed[offset:offset + width]))
+      offset += width
+    for i in self.order[len(self.order) - len(self._ghost):]:
+      term, dz = self._ghost[i]
+      size = _width(self._variables[i])
+      parts.append(term.dots(dz, tf.reshape(packed[offset:offset + size],
+                                            self._variables[i].shape)))
+      offset += size
+    return tf.add_n(parts)
+
+
+def _scaled(output_grads, example_scale):
+  grads = [tf.cast(g, tf.float32) for g in output_grads]
+  if example_scale is None:
+    return grads
+  inverse = tf.math.divide_no_nan(1.0, tf.cast(example_scale, tf.float32))
+  return [g * tf.reshape(inverse, [-1] + [1] * (g.shape.rank - 1)) for g in grads]
+
+
+def _spans(widths, start, size):
+  """[(variable, width)] of the layout positions [start, start + size)."""
+  out, offset = [], 0
+  for index, width in widths:
+    lo, hi = max(start, offset), min(start + size, offset + width)
+    if lo < hi:
+      out.append((index, hi - lo))
+    offset += width
+  return out
+
+
+class PiecesGroup:
+  """Variables whose per-example gradients come as row-major [B, n] pieces (`Term.blocks`,
+  `Joint.pieces`), reduced one piece at a time: each piece is created after the previous one is
+  reduced, so that one kernel tap at a time is alive."""
+
+  def __init__(self, indices, pieces, variables):
+    self.indices = tuple(indices)
+    self._pieces = pieces
+    self._widths = [(i, _width(variables[i])) for i in indices]
+
+  def reduce(self, self_dots):
+    """Returns ({index: [[B] squared norms]}, [flat batch sums in order], [self-dots], kept)."""
+    parts, sums, dots, kept = {}, [], [], []
+    iterator, start, done = iter(self._pieces), 0, []
+    while True:
+      with tf.control_dependencies(done):
+        piece = next(iterator, None)
+      if piece is None:
+        return parts, sums, dots, kept
+      piece = terms_lib.flat(piece)
+      size = int(piece.shape[1])
+      spans = _spans(self._widths, start, size)
+      squares = tf.square(piece)
+      if len(spans) == 1:
+        parts.setdefault(spans[0][0], []).append(tf.reduce_sum(squares, axis=1))
+      else:
+        for (index, _), chunk in zip(spans, tf.split(squares, [w for _, w in spans], axis=1)):
+          parts.setdefault(index, []).append(tf.reduce_sum(chunk, axis=1))
+      sums.append(tf.reduce_sum(piece, axis=0))
+      done = [parts[spans[-1][0]][-1], sums[-1]]
+      if self_dots:
+        dots.append(_batch_dot(piece, sums[-1]))
+        done.append(dots[-1])
+      else:
+        kept.append(piece)
+      start += size
+
+  def dots(self, kept, packed):
+    """[B] dots of the kept pieces with `packed` (this group's part of a packed gradient)."""
+    out, offset = [], 0
+    for piece in kept:
+      width = int(piece.shape[1])
+      out.append(_batch_dot(piece, packed[offset:offset + width]))
+      offset += width
+    return tf.add_n(out)
+
+
+def combine(variables, groups, ghost, self_dots) -> GhostTerms:
+  """GhostTerms from materialised groups (`PiecesGroup`) and ghost variables.
+
+  Args:
+    variables: all variables (defines V and the column order of `sq_norms`).
+    groups: materialised groups, in packing order.
+    ghost: {index: (term, dz)} for Gram/forward variables.
+    self_dots: compute <g_i, sum_j g_j> now and keep nothing (see the module docstring).
+
+  Tried and dropped (measured on the text Transformer, B=128): concatenating small pieces into
+  one matrix (fewer ops, +11 MiB RSS for the copies); one product for layers reading the same
+  input (MultiHeadAttention's query/key/value: fewer ops, +4 MiB RSS, no measurable gain).
+  """
+  order = [i for group in groups for i in group.indices] + sorted(ghost)
+  sums, dots, kept, parts = [], [], [], {}
+  for group in groups:
+    group_parts, group_sums, group_dots, state = group.reduce(self_dots)
+    for index, found in group_parts.items():
+      parts.setdefault(index, []).extend(found)
+    sums.extend(group_sums)
+    dots.extend(group_dots)
+    if not self_dots:
+      kept.append((group, state, sum(_width(variables[i]) for i in group.indices)))
+  for i in sorted(ghost):
+    term, dz = ghost[i]
+    parts[i] = [term.gram_norms(dz)]
+    total = term.batch_sum(dz)
+    sums.append(tf.reshape(total, [-1]))
+    if self_dots:
+      dots.append(term.dots(dz, total))
+  sq_norms = tf.stack([p[0] if len(p) == 1 else tf.add_n(p)
+                       for p in (parts[i] for i in range(len(variables)))], axis=1)
+  return GhostTerms(variables, sq_norms, tf.concat(sums, axis=0), order,
+                    None if self_dots else kept, {i: ghost[i] for i in sorted(ghost)},
+                    tf.add_n(dots) if self_dots else None)
+
+
+def variable_pieces(term_list, dzs, size, shape):
+  """Row-major per-example pieces of one recorded variable (sum of its terms), lazily."""
+  n = int(np.prod(shape))
+  if len(term_list) == 1 and term_list[0].blocks is not None:
+    yield from term_list[0].blocks(dzs[term_list[0].output])
+  elif not term_list:  # Layer not called by this loss: zero gradient.
+    yield tf.zeros(tf.stack([size, n]), tf.float32)
+  else:
+    grads = [t.grads(dzs[t.output]) for t in term_list]
+    yield tf.reshape(grads[0] if len(grads) == 1 else tf.add_n(grads), [-1, n])
+
+
+@general.no_autograph
+def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
+                batch_size=None, self_dots=False) -> GhostTerms:
+  """Per-example squared norms for every variable of `rec.recorder`, without [B, P].
+
+  Args:
+    rec: the `recording.Recording` of the forward pass.
+    output_grads: gradients of the loss w.r.t. `rec.outputs`, from the same backward pass.
+    general_grads: [B, *shape] per `rec.recorder.general_variables` (required when any).
+    example_scale: optional [B] c_i, see the module docstring.
+    batch_size: B, needed only when a recorded variable's layer was not called at all and
+      nothing else was recorded.
+    self_dots: also compute `self_dots`, <g_i, sum_j g_j>, and keep nothing for `dots`.
+  """
+  recorder = rec.recorder
+  general_grads = list(general_grads or [])
+  if len(general_grads) != len(recorder.general_indices):
+    raise ValueError(
+        f"ghost_norms: {len(recorder.general_indices)} general-path variable(s) "
+        f"({', '.join(v.path for v in recorder.general_variables)}) need `general_grads` from "
+        f"`Recorder.general_gradients`; got {len(general_grads)} tensors.")
+  dzs = _scaled(output_grads, example_scale)
+  size = batch_size if rec.batch_size is None else rec.batch_size
+  ghost = {i: (rec.terms[i][0], dzs[rec.terms[i][0].output]) for i in rec.ghost_indices()}
+  variables = recorder.variables
+  groups = [PiecesGroup((i,), [terms_lib.flat(g)], variables)
+            for i, g in zip(recorder.general_indices, general_grads)]
+  joints = {}
+  for indices, joint in rec.joints:
+    singles = all(len(rec.terms[i]) == 1 and rec.terms[i][0].output == joint.output
+                  and i not in ghost for i in indices)
+    if singles:
+      joints.setdefault(indices[0], (indices, joint))
+  grouped = set()
+  for i in sorted(rec.terms):
+    if i in ghost or i in grouped:
+      continue
+    if i in joints and not grouped.intersection(joints[i][0]):
+      indices, joint = joints[i]
+      groups.append(PiecesGroup(indices, joint.pieces(dzs[joint.output]), variables))
+      grouped.update(indices)
+    else:
+      groups.append(PiecesGroup((i,), variable_pieces(rec.terms[i], dzs, size,
+                                                      variables[i].shape), variables))
+      grouped.add(i)
+  return combine(variables, groups, ghost, self_dots)
