@@ -4,7 +4,8 @@ The default small CNN on the real Fashion-MNIST (batch 128, Adam 1e-3, 2 epochs)
 updates, per-example gradients of that update's batch with their statistics: each example's
 cosine to the global batch gradient, per-example gradient norms, gradient diversity, and the
 gradient noise scale B_simple, as TensorBoard scalars and histograms under `per_example/`
-(docs/per_example.md). The per-example pass is vectorized (no Python loop over examples).
+(docs/per_example.md). The statistics come from the update's own forward and backward pass
+(ghost norms: nothing of size batch x parameters is formed).
 
 Command lines:
   python -m trainer.main --config=configs/per_example_stats.py --workdir=/tmp/per_example

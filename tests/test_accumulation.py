@@ -102,3 +102,25 @@ def _mean_of_means_weights(config, initial, batches, task):
     for var, g in zip(model.trainable_variables, grads):
       var.assign_sub(config.optimizer.learning_rate * g / k)
   return [np.array(v) for v in model.trainable_variables]
+
+
+@pytest.mark.parametrize("model", ["mlp", "small_cnn"])
+def test_exact_with_per_example_statistics_on_every_update(tmp_path, model):
+  """With statistics on every update, the recorded layers' gradients are the sums of their
+  per-example terms (no second kernel gradient): still the big batch's update."""
+  # SGD without clipping: a wrong gradient scale shows in the weights (Adam or clipping would
+  # normalise it away).
+  overrides = dict(OPTIMIZERS["sgd_momentum"])
+  overrides.update({"model": model, "accumulation.steps": 4, "strategy": "mirrored",
+                    "cpu_replicas": 2, "optimizer.warmup_steps": 2,
+                    "per_example.every_steps": 1, "train_steps": 3})
+  config = helpers.tiny_config(**overrides)
+  strategy, trainer = helpers.build(config, tmp_path)
+  assert trainer._gradients_from_statistics  # pylint: disable=protected-access
+  initial, _ = helpers.snapshot(strategy, trainer)
+  trainer.train(tf.constant(3))
+  weights, slots = helpers.snapshot(strategy, trainer)
+  ref_weights, ref_slots = helpers.reference_run(config, initial,
+                                                 helpers.update_batches(config, 3))
+  assert helpers.max_abs_diff(weights, ref_weights) <= 1e-6
+  assert helpers.max_abs_diff(slots, ref_slots) <= 1e-6

@@ -34,7 +34,7 @@ def test_micro_steps_stay_local(tmp_path):
       start = g * 16 + replica * 8
       batch = data.batch_at(source, tf.range(start, start + 8, dtype=tf.int64),
                             seed=config.seed, shuffle=config.data.shuffle)
-      local_grads, local_scalars = trainer.local_sums(batch)
+      local_grads, local_scalars, _ = trainer.local_sums(batch)
       grads = local_grads if grads is None else [a + b for a, b in zip(grads, local_grads)]
       scalars = local_scalars if scalars is None else scalars + local_scalars
     for buffer, expected in zip(grad_buffers, grads):

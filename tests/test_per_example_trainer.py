@@ -1,4 +1,5 @@
-"""Per-example statistics inside the trainer: written every n updates under `per_example/`."""
+"""Per-example statistics inside the trainer's own update (issue 10): when they are written, and
+that they equal an oracle computed from materialised per-example gradients."""
 import glob
 
 import numpy as np
@@ -6,6 +7,8 @@ import pytest
 import tensorflow as tf
 
 import helpers
+from trainer import base_task
+from trainer import per_example
 
 
 def _events(directory):
@@ -13,8 +16,18 @@ def _events(directory):
   for path in glob.glob(str(directory / "events.out.tfevents.*")):
     for event in tf.compat.v1.train.summary_iterator(path):
       for value in event.summary.value:
-        found.setdefault(value.tag, []).append((event.step, value))
+        found.setdefault(value.tag, []).append((event.step, tf.make_ndarray(value.tensor)))
   return found
+
+
+def _train_with_summaries(tmp_path, overrides, updates):
+  strategy, trainer = helpers.build(helpers.tiny_config(**overrides), tmp_path / "w")
+  initial, _ = helpers.snapshot(strategy, trainer)
+  writer = tf.summary.create_file_writer(str(tmp_path / "tb"))
+  with writer.as_default():
+    trainer.train(tf.constant(updates))
+  writer.flush()
+  return strategy, trainer, initial, _events(tmp_path / "tb")
 
 
 @pytest.mark.parametrize("replicas,k", [(1, 1), (2, 2)])
@@ -22,26 +35,69 @@ def test_statistics_every_n_updates(tmp_path, replicas, k):
   overrides = {"model": "small_cnn", "per_example.every_steps": 2, "accumulation.steps": k}
   if replicas == 2:
     overrides.update({"strategy": "mirrored", "cpu_replicas": 2})
-  _, trainer = helpers.build(helpers.tiny_config(**overrides), tmp_path / "w")
-  writer = tf.summary.create_file_writer(str(tmp_path / "tb"))
-  with writer.as_default():
-    trainer.train(tf.constant(5))
-  writer.flush()
-  events = _events(tmp_path / "tb")
-  for name in ("gns", "diversity", "mean_norm", "mean_cosine"):
-    steps = [step for step, _ in events[f"per_example/{name}"]]
-    assert steps == [0, 2, 4], (name, steps)
-  for name in ("norms", "cosines"):
-    assert [step for step, _ in events[f"per_example/{name}"]] == [0, 2, 4]
-  cosine = [tf.make_ndarray(v.tensor) for _, v in events["per_example/mean_cosine"]]
-  assert all(0.0 < float(c) <= 1.0 for c in cosine)
-  diversity = [float(tf.make_ndarray(v.tensor)) for _, v in events["per_example/diversity"]]
-  assert all(1.0 / 16 <= d for d in diversity)  # >= 1/B, equality only for identical gradients.
+  _, trainer, _, events = _train_with_summaries(tmp_path, overrides, 5)
+  for name in ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace", "norms",
+               "cosines"):
+    assert [step for step, _ in events[f"per_example/{name}"]] == [0, 2, 4], name
+  assert all(0.0 < float(c) <= 1.0 for _, c in events["per_example/mean_cosine"])
+  examples = 16 * k  # Norms and diversity cover every example of the update.
+  assert all(1.0 / examples <= float(d) for _, d in events["per_example/diversity"])
   assert int(trainer.optimizer.iterations.numpy()) == 5
   assert np.isfinite(float(trainer.last_grad_norm.numpy()))
 
 
-def test_triplet_task_is_refused(tmp_path):
+def _oracle(config, task, initial, batch, replicas, k):
+  """The statistics of update 0 from materialised per-example gradients at the initial weights."""
+  model = task.build_model()
+  for var, value in zip(model.trainable_variables, initial):
+    var.assign(value)
+  loss_fn = lambda m, b: base_task.weighted_outputs(task, m, b, training=True)[0]
+  grads = per_example.per_example_gradients(model, loss_fn, batch)
+  flat = np.concatenate([np.reshape(g, (g.shape[0], -1)) for g in grads], axis=1)
+  flat = flat.astype(np.float64)
+  count, per_group = flat.shape[0], flat.shape[0] // (replicas * k)
+  total = flat.sum(0)
+  g2 = np.sum((total / count) ** 2)
+  n2 = np.sum(flat ** 2, axis=1)
+  small = np.mean([np.sum((flat[i:i + per_group].sum(0) / per_group) ** 2)
+                   for i in range(0, count, per_group)])
+  if replicas * k == 1:
+    b_small, small = 1.0, n2.mean()
+  else:
+    b_small = per_group
+  big_g2 = (count * g2 - b_small * small) / (count - b_small)
+  s = (small - g2) / (1.0 / b_small - 1.0 / count)
+  last = flat[-config.batch_size:]  # Cosines: the update's last micro-batch, all replicas.
+  cos = last @ total / (np.linalg.norm(last, axis=1) * np.linalg.norm(total))
+  return {"gns": s / big_g2, "diversity": n2.sum() / np.sum(total ** 2),
+          "mean_norm": np.sqrt(n2).mean(), "trace": (n2.sum() - count * g2) / (count - 1),
+          "grad_norm": np.sqrt(g2), "mean_cosine": cos.mean(), "cosines": cos,
+          "norms": np.linalg.norm(last, axis=1)}
+
+
+@pytest.mark.parametrize("replicas,k,model", [(1, 1, "small_cnn"), (2, 2, "mlp")])
+def test_statistics_equal_the_materialised_oracle(tmp_path, replicas, k, model):
+  overrides = {"model": model, "per_example.every_steps": 1, "accumulation.steps": k,
+               "batch_size": 16}
+  if replicas == 2:
+    overrides.update({"strategy": "mirrored", "cpu_replicas": 2})
+  config = helpers.tiny_config(**overrides)
+  _, trainer, initial, events = _train_with_summaries(tmp_path, overrides, 1)
+  batch = helpers.update_batches(config, 1)[0]
+  expected = _oracle(config, trainer.task, initial, batch, replicas, k)
+  for name, value in expected.items():
+    (step, got), = events[f"per_example/{name}"]
+    assert step == 0
+    if name in ("cosines", "norms"):  # Histograms: compare the bucket limits' range.
+      got_values = got  # [buckets, 3]: left edge, right edge, count.
+      assert got_values[:, 2].sum() == len(value)
+      np.testing.assert_allclose([got_values[0, 0], got_values[-1, 1]],
+                                 [value.min(), value.max()], rtol=1e-4, atol=1e-6)
+    else:
+      np.testing.assert_allclose(float(got), value, rtol=1e-5, err_msg=name)
+
+
+def test_statistics_refuse_a_model_called_on_several_rows_per_example(tmp_path):
   config = helpers.tiny_config(**{"task": "triplet", "model": "vgg_small",
                                   "data.image_size": 32, "per_example.every_steps": 1})
   with pytest.raises(ValueError, match="`per_example.every_steps` needs one model row per example"):

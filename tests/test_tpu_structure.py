@@ -14,8 +14,8 @@ import helpers
 from trainer import data
 from trainer import optimizers
 from trainer import orbit_trainer
-from trainer import per_example_summaries
 from trainer import tasks
+from trainer import update_statistics
 
 
 def _tpu_trainer(**overrides):
@@ -68,13 +68,22 @@ def test_update_step_and_its_apply_trace_inside_tpu_replicate(k, model):
   assert len(inside) >= 3 * len(trainer.model.trainable_variables) + 1
 
 
-def test_per_example_statistics_trace_inside_tpu_replicate():
-  strategy, trainer, spec = _tpu_trainer(**{"model": "small_cnn"})
-  replica_fn = per_example_summaries.replica_statistics_fn(trainer.task, trainer.model, 0)
-  function = _trace(strategy, replica_fn, spec)
+@pytest.mark.parametrize("every,k", [(1, 1), (3, 2)])
+def test_per_example_statistics_in_the_update_trace_inside_tpu_replicate(every, k):
+  """The statistics live in the micro-step and update step themselves (ghost path, all_gather)."""
+  strategy, trainer, spec = _tpu_trainer(**{"model": "small_cnn", "accumulation.steps": k,
+                                            "per_example.every_steps": every})
+  if k > 1:
+    micro = _trace(strategy, trainer._micro_step_fn, spec)  # pylint: disable=protected-access
+    assert "TPUReplicateMetadata" in _op_types(micro.graph)
+  function = _trace(strategy, trainer._update_step_fn, spec)  # pylint: disable=protected-access
   assert "TPUReplicateMetadata" in _op_types(function.graph)
-  assert set(strategy.experimental_local_results(function.structured_outputs)[0]) == set(
-      per_example_summaries.SCALARS + per_example_summaries.HISTOGRAMS)
+  outputs = [strategy.experimental_local_results(o)[0] for o in function.structured_outputs]
+  assert len(outputs) == 5
+  statistics, gathered = outputs[3], outputs[4]
+  assert statistics.shape == [len(update_statistics.SCALARS) - 1]
+  assert gathered.shape == [16, 2]  # 8 examples on each of the 2 replicas, gathered.
+  assert cpu_tpu.replicated_write_ops(function.graph)[1] == []
 
 
 def test_old_path_fails_on_tpu_dataclass_outputs():

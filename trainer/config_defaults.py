@@ -90,7 +90,8 @@ def base_config() -> ml_collections.ConfigDict:
   # --- Per-example gradient statistics.
   config.per_example = ml_collections.ConfigDict()
   config.per_example.every_steps = 0      # 0: off.
-  config.per_example.chunk_size = 0       # 0: the whole local batch at once.
+  # Variables without a direct per-example formula: vectorized_map | loop | error.
+  config.per_example.general_path = "vectorized_map"
   # --- Triplet task only.
   config.triplet = ml_collections.ConfigDict()
   config.triplet.margin = 0.2

@@ -5,13 +5,13 @@
         train_loop_begin()                        # eager: reset loop sums, start the clock
         tf.while_loop over steps_per_loop:        # traced (tf.function)
           train_step(iterator):                   # cross-replica context
-            every per_example.every_steps updates: statistics of the first micro-batch
             k-1 x run(micro_step, next(iterator))  # tf.range loop; replica: buffers += local sums
             run(update_step, next(iterator))       # replica context, every replica:
               local sums of the last micro-batch + buffers (zeroed)
               ONE packed all-reduce: gradients, loss/weight/metric sums, BatchNorm statistics
               normalise, clip once, mean statistics written back locally
               apply_or_skip: merge_call -> tf.cond(finite) -> each replica applies its own copy
+            per-example statistics summaries, every per_example.every_steps updates
             counters (global step, micro-batches, skips, loss scale)   # cross-replica, scalars
         train_loop_end()                          # eager: metrics, one log line
 
@@ -32,10 +32,10 @@ import tensorflow as tf
 from trainer import accumulation
 from trainer import base_task
 from trainer import optimizers
-from trainer import per_example_summaries
 from trainer import replica_state
 from trainer import strategies
 from trainer import update
+from trainer import update_statistics
 from trainer import validation
 
 _MIRRORED_SCALAR = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
@@ -131,9 +131,13 @@ class Trainer(orbit.StandardTrainer):
       if config.mixed_precision == "mixed_float16":
         self.loss_scale = _counter("loss_scale", tf.float32, float(config.loss_scale.initial))
         self.good_steps = _counter("loss_scale_good_steps")
+      self.statistics = update_statistics.UpdateStatistics(
+          config, task, model, num_replicas=strategy.num_replicas_in_sync,
+          accumulation_steps=self.accumulation_steps)
       self.buffers = None
       if self.accumulation_steps > 1:
-        self.buffers = accumulation.GradientBuffers(variables, len(self.metric_names))
+        extra = self.statistics.num_sums if self.statistics.enabled else 0
+        self.buffers = accumulation.GradientBuffers(variables, len(self.metric_names) + extra)
     self._state = replica_state.WriteRecorder(model)
     self._sync_state = config.replica_state == "mean"
     self.xla = xla_plan(config, strategy)
@@ -143,8 +147,15 @@ class Trainer(orbit.StandardTrainer):
       self._micro_step_fn = lambda batch: compiled_micro_step(batch)  # A plain replica function.
     self._update_step_fn = (tf.function(self.update_step, jit_compile=True)
                             if self.xla.update_step else self.update_step)
-    self._local_sums_fn = (PerReplicaCompiled(self.local_sums) if self.xla.local_sums
-                           else self.local_sums)
+    # With statistics on every update (and no regularisation losses, which act on the weights
+    # directly), the recorded layers' gradients come from the per-example terms' sums.
+    self._gradients_from_statistics = (self.statistics.enabled and self.statistics.every == 1
+                                       and not model.losses)
+    # The update step needs the statistics' recorded tensors after its all-reduce: with
+    # statistics on, its local part is not a separate (compiled) function.
+    self._local_sums_compiled = None
+    if self.xla.local_sums and not self.statistics.enabled:
+      self._local_sums_compiled = PerReplicaCompiled(lambda batch: self.local_sums(batch)[:2])
     options = orbit.StandardTrainerOptions(use_tf_while_loop=True, use_tf_function=True)
     super().__init__(train_dataset, options=options)
     self._loop_start = None
@@ -170,9 +181,15 @@ class Trainer(orbit.StandardTrainer):
 
   # --- Replica context (traced, inside strategy.run).
   def local_sums(self, batch):
-    """This replica's gradient of Σ w·loss (scaled if fp16) and its scalar sums; no communication."""
+    """This replica's gradient of Σ w·loss (scaled if fp16) and its scalar sums; no communication.
+
+    Returns (grads, scalars, statistics context or None). With per-example statistics on, the
+    forward runs recorded, the one backward also yields the recorded outputs' gradients, and
+    `scalars` ends with this micro-batch's statistics sums (zeros on other updates).
+    """
     variables = self.model.trainable_variables
-    with tf.GradientTape() as tape, self._state.watching():
+    with tf.GradientTape() as tape, self._state.watching(), (
+        self.statistics.recording(tape)) as recording:
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
                                                          training=True)
       weight_sum = tf.reduce_sum(weight)
@@ -182,22 +199,65 @@ class Trainer(orbit.StandardTrainer):
         objective += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * weight_sum
       if self.loss_scale is not None:
         objective *= self.loss_scale
-    grads = tape.gradient(objective, variables)
-    grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
+    if recording is None:
+      grads = tape.gradient(objective, variables)
+      grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
+    elif self._gradients_from_statistics:
+      grads, output_grads = self._recorded_gradients(tape, objective, recording)
+    else:  # ONE backward pass for the update and the per-example statistics.
+      grads, output_grads = tape.gradient(
+          objective, (variables, recording.outputs),
+          unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
     metric_sums = [tf.reduce_sum(m * weight) for m in metrics]
-    return grads, tf.stack([loss_sum, weight_sum] + metric_sums)
+    scalars = tf.stack([loss_sum, weight_sum] + metric_sums)
+    if recording is None:
+      return grads, scalars, None
+    context = dict(active=self.statistics.active(self.global_step), rec=recording,
+                   output_grads=output_grads, loss_scale=self.loss_scale, batch=batch,
+                   losses=loss)
+    sums, context["terms"] = self.statistics.local_sums(
+        context["active"], recording, output_grads, self.loss_scale, batch, loss)
+    if self._gradients_from_statistics:  # Σ_i g_i of the per-example terms IS the gradient.
+      scale = 1.0 if self.loss_scale is None else self.loss_scale
+      batch_sums = context["terms"].batch_sums
+      for i in self.statistics.recorder.direct_indices:
+        grads[i] = batch_sums[i] * scale
+    return grads, tf.concat([scalars, sums], axis=0), context
+
+  def _recorded_gradients(self, tape, objective, recording):
+    """The backward pass when every update computes per-example statistics (replica context).
+
+    Only the recorded layers' outputs and the general-path variables are differentiated: the
+    gradient of a recorded layer's variables is the sum of its per-example terms, which the
+    statistics compute anyway, so TensorFlow's own kernel gradients (e.g. Conv2DBackpropFilter)
+    are not run a second time. Returns (grads with None for recorded variables, output grads).
+    """
+    variables = self.model.trainable_variables
+    general = self.statistics.recorder.general_indices
+    general_grads, output_grads = tape.gradient(
+        objective, ([variables[i] for i in general], recording.outputs),
+        unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    grads = [None] * len(variables)
+    for i, g in zip(general, general_grads):
+      grads[i] = accumulation.dense_float32(g, variables[i])
+    return grads, output_grads
 
   def micro_step(self, batch):
     """Adds this replica's sums into its SyncOnRead buffers (replica context, local only)."""
-    self.buffers.add(*self._local_sums_fn(batch))
+    self.buffers.add(*self.local_sums(batch)[:2])
 
   def update_step(self, batch):
     """The update: last micro-batch + buffers, one all-reduce, apply or skip (replica context).
 
-    Returns (reduced scalar sums, gradient norm, applied): tensors only, identical on every
+    Returns (reduced scalar sums, gradient norm, applied) and, with per-example statistics on,
+    (statistics scalars, gathered [B, 2] norms and cosines): tensors only, identical on every
     replica.
     """
-    grads, scalars = self._local_sums_fn(batch)
+    if self._local_sums_compiled is not None:
+      (grads, scalars), context = self._local_sums_compiled(batch), None
+    else:
+      grads, scalars, context = self.local_sums(batch)
     if self.buffers is not None:
       held_grads, held_scalars = self.buffers.take()
       grads = [h + g for h, g in zip(held_grads, grads)]
@@ -208,34 +268,33 @@ class Trainer(orbit.StandardTrainer):
         global_clipnorm=float(self.config.optimizer.global_clipnorm),
         state_values=replica_state.local_values(state))
     replica_state.assign_means(state, reduced.state)
+    outputs = (reduced.scalars[:len(self.metric_names)], reduced.grad_norm)
+    if context is not None:
+      statistics = self.statistics.statistics(reduced.scalars[len(self.metric_names):],
+                                              reduced.grad_norm, reduced.scalars[1])
+      norms_and_cosines = self.statistics.norms_and_cosines(
+          context["active"], reduced.grads, context["terms"], context["rec"],
+          context["output_grads"], context["loss_scale"], context["batch"], context["losses"])
+      gathered = tf.distribute.get_replica_context().all_gather(norms_and_cosines, axis=0)
     applied = update.apply_or_skip(self.optimizer, reduced.grads,
                                    self.model.trainable_variables, reduced.finite)
     optimizers.check_keras_all_reduce_skipped(self.optimizer)  # At trace time.
-    return reduced.scalars, reduced.grad_norm, applied
+    if context is None:
+      return outputs + (applied,)
+    return outputs + (applied, statistics, gathered)
 
   # --- Cross-replica context (traced).
   def train_step(self, iterator):
     """One optimizer update of k micro-steps; see the module docstring."""
-    batch = next(iterator)
-    self._maybe_write_statistics(batch)
     if self.accumulation_steps > 1:
-      self.strategy.run(self._micro_step_fn, args=(batch,))
-      for _ in tf.range(self.accumulation_steps - 2):
+      for _ in tf.range(self.accumulation_steps - 1):
         self.strategy.run(self._micro_step_fn, args=(next(iterator),))
-      batch = next(iterator)
-    outputs = self.strategy.run(self._update_step_fn, args=(batch,))
-    self._count(*update.first_replica(self.strategy, outputs))
-
-  def _maybe_write_statistics(self, batch):
-    """Per-example statistics of `batch` every n updates (cross-replica context, traced)."""
-    every = int(self.config.per_example.every_steps)
-    if not every:
-      return
-    tf.cond(tf.equal(self.global_step % every, 0),
-            lambda: per_example_summaries.write_statistics(
-                self.strategy, self.task, self.model, batch, self.global_step,
-                int(self.config.per_example.chunk_size)),
-            lambda: tf.constant(False))
+    outputs = update.first_replica(
+        self.strategy, self.strategy.run(self._update_step_fn, args=(next(iterator),)))
+    if self.statistics.enabled:
+      self.statistics.write(self.statistics.active(self.global_step), outputs[3], outputs[4],
+                            self.global_step)
+    self._count(*outputs[:3])
 
   def _count(self, scalars, grad_norm, applied):
     """Advances the counters and the loss scale after an update (cross-replica, traced)."""

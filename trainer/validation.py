@@ -67,11 +67,12 @@ def validate(config) -> None:
   _choice(config, "accumulation.batchnorm", ("error", "per_micro_batch"))
   _choice(config, "xla", ("auto", "on", "off"))
   _choice(config, "replica_state", ("mean", "local"))
+  _choice(config, "per_example.general_path", ("vectorized_map", "loop", "error"))
   for field in ("batch_size", "eval_batch_size", "train_steps", "steps_per_loop", "eval_every",
                 "checkpoint_every", "accumulation.steps", "keep_checkpoints"):
     _number(config, field, 1)
   for field in ("cpu_replicas", "seed", "optimizer.warmup_steps", "summary_every",
-                "max_consecutive_skips", "per_example.every_steps", "per_example.chunk_size"):
+                "max_consecutive_skips", "per_example.every_steps"):
     _number(config, field, 0)
   _number(config, "optimizer.learning_rate", 0, integer=False, strict=True)
   _number(config, "peer_timeout_s", 0, integer=False, strict=True)

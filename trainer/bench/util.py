@@ -55,3 +55,31 @@ def spread(values) -> dict:
   mid = len(ordered) // 2
   median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
   return {"median": median, "min": ordered[0], "max": ordered[-1], "n": len(ordered)}
+
+
+def paired_rounds(benchmark: str, names, settings, key: str, rounds: int, extra_args=()):
+  """Times two settings of each case in alternation, each in its own process; eager, host.
+
+  For every name in `names`, `rounds` times: runs `python -m trainer.bench BENCHMARK
+  --case=NAME,SETTING [extra_args]` for settings[0] then settings[1] and divides their `key`
+  (settings[1] / settings[0]). Returns (rows, {name: spread of the ratios}).
+  """
+  import sys  # pylint: disable=g-import-not-at-top
+  rows, summary = [], {}
+  for name in names:
+    ratios = []
+    for _ in range(rounds):
+      pair = []
+      for setting in settings:
+        cmd = [sys.executable, "-m", "trainer.bench", benchmark, f"--case={name},{setting}"]
+        pair.append(run_row(cmd + list(extra_args), f"{benchmark} {name} {setting}"))
+      rows.extend(pair)
+      ratios.append(pair[1][key] / pair[0][key])
+    summary[name] = spread(ratios)
+  return rows, summary
+
+
+def print_summary(summary: dict, what: str) -> None:
+  for name, s in summary.items():
+    print(f"{name}: {what}, median {s['median']:.3f} (min {s['min']:.3f}, max {s['max']:.3f}, "
+          f"{s['n']} rounds)")

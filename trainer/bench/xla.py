@@ -11,7 +11,6 @@ median seconds per update per setting, and the ratio on/off per round (median, m
 Eager, host.
 """
 import json
-import sys
 
 from absl import flags
 
@@ -46,25 +45,15 @@ def main(argv):
   if FLAGS.case:
     bench_util.print_row(_time_case(*FLAGS.case.split(",")))
     return
-  rows, summary = [], {}
-  for name in FLAGS.cases:
-    if name not in CASES:
-      raise SystemExit(f"trainer.bench xla: --cases has {name!r}; allowed: {', '.join(CASES)}")
-    ratios = []
-    for _ in range(FLAGS.rounds):
-      pair = {}
-      for xla in ("off", "on"):
-        cmd = [sys.executable, "-m", "trainer.bench", "xla", f"--case={name},{xla}"]
-        pair[xla] = bench_util.run_row(cmd, f"{name} with xla={xla}", timeout_s=1200)
-        rows.append(pair[xla])
-      ratios.append(pair["on"]["seconds_per_update"] / pair["off"]["seconds_per_update"])
-    summary[name] = bench_util.spread(ratios)
+  unknown = [name for name in FLAGS.cases if name not in CASES]
+  if unknown:
+    raise SystemExit(f"trainer.bench xla: --cases has {unknown[0]!r}; allowed: {', '.join(CASES)}")
+  rows, summary = bench_util.paired_rounds("xla", FLAGS.cases, ("off", "on"),
+                                           "seconds_per_update", FLAGS.rounds)
   print(f"{'case':<12} {'xla':>4} {'s/update':>9}")
   for r in rows:
     print(f"{r['case']:<12} {r['xla']:>4} {r['seconds_per_update']:>9.4f}")
-  for name, s in summary.items():
-    print(f"{name}: time with XLA / without, median {s['median']:.3f} "
-          f"(min {s['min']:.3f}, max {s['max']:.3f}, {s['n']} rounds)")
+  bench_util.print_summary(summary, "time with XLA / without")
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump({"rows": rows, "ratio_on_over_off": summary}, f, indent=2)

@@ -1,0 +1,146 @@
+"""Per-example gradient statistics inside the update's own forward and backward pass.
+
+`config.per_example.every_steps = n` writes, on updates 0, n, 2n, ..., the TensorBoard scalars
+`per_example/{gns, diversity, mean_norm, mean_cosine, grad_norm, trace}` and histograms
+`per_example/{norms, cosines}`. They come from the ghost path (`trainer.per_example`): no
+tensor of size [B, P] is ever formed, and no second forward or backward pass runs.
+
+What they describe. A per-example gradient is g_i = ∇(w_i l_i), the term the update sums (with
+unit weights: ∇ l_i). Norms, gradient diversity, the trace of the covariance and the noise scale
+cover every example of the update: all k micro-batches on all replicas (the "small batches" of
+the noise scale are the R·k per-replica micro-batches, the big one the k·B examples of the
+update). Cosines (`mean_cosine`, the `cosines` and `norms` histograms) cover the update's LAST
+micro-batch, the one whose activations are still alive when the update's gradient G is known;
+cosines are to G. With regularisation losses G includes their gradient; the g_i do not.
+
+How, all traced:
+
+    each micro-step (replica context)      the forward runs recorded (`Recorder.record`); the
+                                           ONE backward gives the parameter gradients and the
+                                           recorded outputs' gradients; on a statistics update
+                                           the per-example squared norms become a [2V+3] vector
+                                           of sums that rides in the accumulation buffers
+    the update step (replica context)      the same for the last micro-batch; the sums ride in
+                                           the update's ONE packed all-reduce; after it, dots of
+                                           the last micro-batch's examples with G; one
+                                           all_gather of [b, 2] (norms, cosines)
+    the train step (cross-replica)         the summaries, under tf.cond(statistics update)
+
+Added communication: 2V+3 floats in the all-reduce, one all_gather of 2b floats per update.
+With n > 1, the work on other updates is the recorded forward (the same arithmetic) and the
+gathered zeros; the norms run under `tf.cond` only on statistics updates.
+"""
+import contextlib
+
+import keras
+import tensorflow as tf
+
+from trainer import base_task
+from trainer import errors
+from trainer import per_example
+
+SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
+HISTOGRAMS = ("norms", "cosines")
+
+
+class UpdateStatistics:
+  """The statistics hook of one trainer; built eagerly with the trainer (see module docstring)."""
+
+  def __init__(self, config, task, model, *, num_replicas: int, accumulation_steps: int):
+    self.every = int(config.per_example.every_steps)
+    self.enabled = self.every > 0
+    if not self.enabled:
+      return
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+      if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
+        raise errors.ConfigError(
+            f"`per_example.every_steps`={self.every} with trainable BatchNormalization "
+            f"('{layer.name}'): batch statistics mix the examples, so per-example gradients are "
+            "ill-defined; set it to 0, freeze the layer, or use LayerNormalization")
+    try:
+      self.recorder = per_example.Recorder(model, model.trainable_variables,
+                                           general_path=config.per_example.general_path)
+    except ValueError as e:
+      raise errors.ConfigError(f"`per_example.general_path`=error: {e}") from None
+    self._task = task
+    self.num_sums = 2 * len(self.recorder.variables) + 3
+    self._small_batches = num_replicas * accumulation_steps
+    self._num_parameters = sum(int(v.shape.num_elements()) for v in self.recorder.variables)
+
+  # --- Replica context (traced).
+  def recording(self, tape):
+    """Records the forward pass for the per-example formulas (a null context when disabled)."""
+    return self.recorder.record(tape) if self.enabled else contextlib.nullcontext(None)
+
+  def active(self, global_step):
+    """Whether this update writes statistics (a bool tensor)."""
+    return tf.equal(global_step % self.every, 0)
+
+  def _terms(self, rec, output_grads, loss_scale, batch, losses):
+    rows = rec.outputs[0].shape[0] if rec.outputs else None
+    if rows is not None and losses.shape[0] is not None and rows != losses.shape[0]:
+      raise errors.ConfigError(
+          f"`per_example.every_steps` needs one model row per example: "
+          f"{type(self._task).__name__} runs the model on {rows} rows for "
+          f"{losses.shape[0]} examples; set it to 0")
+    general_grads = None
+    if self.recorder.general_indices:
+      loss_fn = lambda model, b: tf.math.multiply(*base_task.weighted_outputs(
+          self._task, model, b, training=True)[:2])
+      general_grads = self.recorder.general_gradients(loss_fn, batch)
+    scale = None if loss_scale is None else tf.fill(tf.shape(losses), loss_scale)
+    return per_example.ghost_norms(rec, output_grads, general_grads=general_grads,
+                                   example_scale=scale, batch_size=tf.shape(losses)[0])
+
+  def _sums(self, terms):
+    count = tf.cast(tf.shape(terms.sq_norms)[0], tf.float32)
+    small = tf.reduce_sum(tf.square(terms.packed_sums)) / tf.square(tf.maximum(count, 1.0))
+    return per_example.local_sums(terms.sq_norms, small)
+
+  def local_sums(self, active, rec, output_grads, loss_scale, batch, losses):
+    """[2V+3] sums of this replica's micro-batch on a statistics update, else zeros.
+
+    Returns (sums, terms): `terms` (for `norms_and_cosines`) only when every update writes.
+    """
+    if self.every == 1:
+      terms = self._terms(rec, output_grads, loss_scale, batch, losses)
+      return self._sums(terms), terms
+    return tf.cond(active, lambda: self._sums(self._terms(rec, output_grads, loss_scale, batch,
+                                                          losses)),
+                   lambda: tf.zeros([self.num_sums])), None
+
+  def norms_and_cosines(self, active, grads, terms, rec, output_grads, loss_scale, batch, losses):
+    """[b, 2] norms and cosines to `grads` (the update's G) of this replica's last micro-batch."""
+    def compute(found):
+      norms = tf.sqrt(tf.reduce_sum(found.sq_norms, axis=1))
+      dots = found.dots(grads)
+      return tf.stack([norms, per_example.cosines(dots, norms, tf.linalg.global_norm(grads))], 1)
+    if terms is not None:
+      return compute(terms)
+    return tf.cond(active, lambda: compute(self._terms(rec, output_grads, loss_scale, batch,
+                                                       losses)),
+                   lambda: tf.zeros([tf.shape(losses)[0], 2]))
+
+  def statistics(self, sums, grad_norm, weight_sum):
+    """The scalar statistics from the reduced sums; `grad_norm` of the normalised update."""
+    count = sums[-2]
+    grad_sq = tf.square(grad_norm * weight_sum / tf.maximum(count, 1.0))  # |Σ g_i / count|^2.
+    stats = per_example.statistics_from_sums(sums, grad_sq,
+                                             num_small_batches=self._small_batches,
+                                             num_parameters=self._num_parameters)
+    return tf.stack([stats[name] for name in SCALARS if name != "mean_cosine"])
+
+  # --- Cross-replica context (traced).
+  def write(self, active, scalars, gathered, step) -> None:
+    """TensorBoard summaries of one update, when `active`."""
+    def write():
+      named = dict(zip([n for n in SCALARS if n != "mean_cosine"], tf.unstack(scalars)))
+      named["mean_cosine"] = tf.reduce_mean(gathered[:, 1])
+      # An absolute name scope ("/" at the end) keeps the tf.cond's scope out of the tags.
+      with tf.summary.record_if(True), tf.name_scope("per_example/"):
+        for name in SCALARS:
+          tf.summary.scalar(name, named[name], step=step)
+        tf.summary.histogram("norms", gathered[:, 0], step=step)
+        tf.summary.histogram("cosines", gathered[:, 1], step=step)
+      return tf.constant(True)
+    tf.cond(active, write, lambda: tf.constant(False))
