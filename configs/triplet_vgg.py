@@ -7,9 +7,15 @@ exactly the update of one 128-triplet batch, at the memory of one triplet. Defau
 at 1/8 width (CPU-sized); `full`: the full-width VGG-16 body (15M parameters).
 Expected (docs/accumulation.md): training loss falls from ~0.2 and triplet accuracy rises.
 
+`batch_hard`: batch-hard triplet mining over ALL 128 examples of an update (the farthest
+positive and the nearest negative of each anchor), although each micro-batch holds one example:
+exact with `accumulation.mode=gradcache` (docs/accumulation.md). Averaging micro-batch gradients
+would see no positive at all in a micro-batch of one.
+
 Command lines:
   python -m trainer.main --config=configs/triplet_vgg.py --workdir=/tmp/triplet
   python -m trainer.main --config=configs/triplet_vgg.py:full --workdir=/tmp/triplet_full
+  python -m trainer.main --config=configs/triplet_vgg.py:batch_hard --workdir=/tmp/batch_hard
   python -m trainer.main --config=configs/triplet_vgg.py:smoke --workdir=/tmp/triplet_smoke
 """
 from trainer import config_defaults
@@ -32,10 +38,13 @@ def get_config(arg: str = ""):
   config.optimizer.warmup_steps = 10
   config.triplet.margin = 0.2
   config.triplet.embedding_dim = 64
-  config = config_defaults.apply_variant_args(config, arg, recipe_args=("full",))
+  config = config_defaults.apply_variant_args(config, arg, recipe_args=("full", "batch_hard"))
   args = config_defaults.parse_args(arg)  # Already checked by apply_variant_args.
   if "full" in args:
     config.model = "vgg16"
+  if "batch_hard" in args:
+    config.task = "batch_hard_triplet"
+    config.accumulation.mode = "gradcache"
   if "smoke" in args:
     config.batch_size = 1
     config.train_steps = 4

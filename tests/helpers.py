@@ -73,15 +73,22 @@ def update_batches(config, num_updates, task=None, source=None):
           for u in range(num_updates)]
 
 
-def reference_run(config, initial_weights, batches, task=None):
-  """Plain single-device updates on whole batches; returns (weights, optimizer variables)."""
-  task = task or tasks.create_task(config)
+def reference_model(config, task, initial_weights):
+  """A fresh model at `initial_weights` and a built optimizer clipping as Keras does (one
+  device, dense gradients): the reference side of the exactness tests."""
   model = task.build_model()
   for var, value in zip(model.trainable_variables, initial_weights):
     var.assign(value)
   optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps,
                                           global_clipnorm_in_keras=True)
   optimizer.build(model.trainable_variables)
+  return model, optimizer
+
+
+def reference_run(config, initial_weights, batches, task=None):
+  """Plain single-device updates on whole batches; returns (weights, optimizer variables)."""
+  task = task or tasks.create_task(config)
+  model, optimizer = reference_model(config, task, initial_weights)
 
   @tf.function
   def step(batch):

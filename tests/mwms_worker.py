@@ -1,6 +1,7 @@
 """One worker of the two-process MultiWorkerMirroredStrategy tests (run by test_multi_worker.py).
 
-usage: python tests/mwms_worker.py INDEX PORT0,PORT1 OUT_DIR K OPTIMIZER
+usage: python tests/mwms_worker.py INDEX PORT0,PORT1 OUT_DIR K OPTIMIZER [TASK]
+(TASK: a batch-level loss task, trained with accumulation.mode=gradcache)
 Trains 3 updates of the tiny config under multi_worker_mirrored on 127.0.0.1 and writes
 OUT_DIR/worker{INDEX}.npz with the initial and final weights, the optimizer variables and the
 number of collective all-reduce ops in the traced update and micro-step.
@@ -15,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main():
   index, ports, out_dir, k, optimizer = sys.argv[1:6]
+  batch_task = sys.argv[6] if len(sys.argv) > 6 else ""
   os.environ["TF_CONFIG"] = json.dumps({
       "cluster": {"worker": [f"127.0.0.1:{p}" for p in ports.split(",")]},
       "task": {"type": "worker", "index": int(index)}})
@@ -28,13 +30,16 @@ def main():
   overrides.update({"accumulation.steps": int(k), "optimizer.global_clipnorm": 0.3,
                     "optimizer.warmup_steps": 2, "optimizer.decay": "cosine",
                     "strategy": "multi_worker_mirrored", "peer_timeout_s": 60})
+  if batch_task:
+    overrides.update({"task": batch_task, "accumulation.mode": "gradcache",
+                      "triplet.embedding_dim": 8})
   config = helpers.tiny_config(**overrides)
   strategy, trainer = helpers.build(config, os.path.join(out_dir, "workdir"))
   initial, _ = helpers.snapshot(strategy, trainer)
   iterator = iter(trainer.train_dataset)
   update_graph = tf.function(trainer.train_step).get_concrete_function(iterator)
   micro_graph = None
-  if trainer.buffers is not None:
+  if trainer.buffers is not None and not batch_task:
     micro_graph = tf.function(lambda it: strategy.run(trainer.micro_step, args=(next(it),))
                               ).get_concrete_function(iterator)
   trainer.train(tf.constant(3))

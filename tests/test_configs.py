@@ -9,8 +9,9 @@ import tensorflow as tf
 import helpers
 from trainer import validation
 
-FASHION_RECIPES = ["fashion_mnist", "accumulate_cnn", "triplet_vgg", "per_example_stats"]
-RECIPES = FASHION_RECIPES + ["text_transformer", "npz_arrays"]
+FASHION_RECIPES = ["fashion_mnist", "accumulate_cnn", "triplet_vgg", "per_example_stats",
+                   "contrastive"]
+RECIPES = FASHION_RECIPES + ["text_transformer", "npz_arrays", "chi_square"]
 
 
 def _npz(path):

@@ -25,12 +25,12 @@ def free_ports(count):
   return ports
 
 
-def run_workers(out_dir, k, optimizer, timeout_s=240):
+def run_workers(out_dir, k, optimizer, timeout_s=240, batch_task=""):
   ports = ",".join(map(str, free_ports(2)))
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
   procs = [subprocess.Popen(
       ["timeout", "-k", "5", str(timeout_s), sys.executable, os.path.join(HERE, "mwms_worker.py"),
-       str(i), ports, str(out_dir), str(k), optimizer],
+       str(i), ports, str(out_dir), str(k), optimizer] + ([batch_task] if batch_task else []),
       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
   outputs = []
   try:
@@ -63,6 +63,24 @@ def test_two_workers_equal_the_large_batch(tmp_path, opt):
   # One collective reduction per update (the packed vector), none in the micro-steps.
   assert int(results[0]["update_reduces"]) == 1
   assert int(results[0]["micro_reduces"]) == 0
+
+
+def test_two_workers_gradcache_equals_the_large_batch(tmp_path):
+  """InfoNCE over the whole update of 2 real workers: one all_gather, one all-reduce, exact."""
+  k = 4
+  results = run_workers(tmp_path, k, "adamw", batch_task="contrastive_pairs")
+  for name in ("weights", "slots"):
+    for a, b in zip(results[0][name], results[1][name]):
+      assert np.array_equal(a, b), f"workers disagree on {name}"
+  config = helpers.tiny_config(**dict(
+      {"accumulation.steps": k, "optimizer.global_clipnorm": 0.3, "optimizer.warmup_steps": 2,
+       "optimizer.decay": "cosine", "task": "contrastive_pairs", "accumulation.mode": "gradcache",
+       "triplet.embedding_dim": 8}, **__import__("test_accumulation").OPTIMIZERS["adamw"]))
+  ref_weights, ref_slots = helpers.reference_run(config, list(results[0]["initial"]),
+                                                 helpers.update_batches(config, 3))
+  assert helpers.max_abs_diff(list(results[0]["weights"]), ref_weights) <= 1e-6
+  assert helpers.max_abs_diff(list(results[0]["slots"]), ref_slots) <= 1e-6
+  assert int(results[0]["update_reduces"]) == 1
 
 
 def _trainer_cmd(workdir, index, ports, *extra, timeout_s=120):

@@ -115,3 +115,16 @@ def test_old_path_fails_on_packed_tpu_variables():
     trainer.optimizer.apply(grads, variables)
   with pytest.raises(KeyError):
     tf.function(old_update).get_concrete_function(spec)
+
+
+def test_gradcache_update_traces_inside_tpu_replicate():
+  """Both passes, the all_gather of the representations and the apply: one replicated program."""
+  strategy, trainer, spec = _tpu_trainer(**{"task": "contrastive_pairs", "accumulation.steps": 2,
+                                            "accumulation.mode": "gradcache",
+                                            "triplet.embedding_dim": 8})
+  def replicated_step(first, second):
+    return strategy.run(trainer._update_step_fn, args=(first, second))  # pylint: disable=protected-access
+  function = tf.function(replicated_step).get_concrete_function(spec, spec)
+  assert "TPUReplicateMetadata" in _op_types(function.graph)
+  inside, outside = cpu_tpu.replicated_write_ops(function.graph)
+  assert outside == [] and len(inside) >= 3 * len(trainer.model.trainable_variables)

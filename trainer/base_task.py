@@ -49,6 +49,14 @@ handle: microstep pads the last evaluation batch itself and gives padded rows we
 
 Errors in your data are yours to describe: raise `DataError` with one line naming what is wrong,
 and microstep prints that line and exits with code 2.
+
+**Losses over the whole batch** (contrastive losses with in-batch negatives, batch-hard triplet
+mining, a loss on a histogram of the outputs) do not decompose over examples, so averaging
+micro-batch gradients is not their big-batch gradient. Subclass `BatchLossTask` instead: it
+declares `represent(model, batch, training)` (per-example representations) and
+`batch_loss(representations, valid)` (one scalar over ALL representations of the update), and
+`config.accumulation.mode = "gradcache"` makes the update exact (`trainer.gradcache`,
+docs/accumulation.md).
 """
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
@@ -123,8 +131,55 @@ class Task:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchLossOutput:
+  """What `BatchLossTask.batch_loss` returns: one scalar loss, and scalar metrics by name."""
+  loss: Any
+  metrics: dict = dataclasses.field(default_factory=dict)
+
+
+class BatchLossTask(Task):
+  """A task whose loss is defined on a whole batch of representations (see the module docstring).
+
+  With `accumulation.mode = "gradcache"` the update's loss is `batch_loss` of the
+  representations of EVERY example of the update (all micro-batches, all replicas, in stream
+  order), and its gradient is exact at micro-batch memory. With the plain `sum` mode, and for
+  evaluation, each (micro-)batch gets its own `batch_loss` (`per_example_loss` below): the
+  averaging that is NOT the big batch's gradient, kept for comparison.
+  """
+
+  def represent(self, model, batch: dict, training: bool) -> dict:
+    """Per-example representations: a dict of [b, ...] tensors; traced, replica context.
+
+    Float fields carry gradients (e.g. embeddings); others (e.g. labels) only ride along.
+    """
+    raise NotImplementedError(f"{type(self).__name__}.represent")
+
+  def batch_loss(self, representations: dict, valid) -> BatchLossOutput:
+    """One scalar loss over [N, ...] representations; `valid` [N] is 0 for padding rows."""
+    raise NotImplementedError(f"{type(self).__name__}.batch_loss")
+
+  def per_example_loss(self, model, batch, training):
+    raise errors.TaskError(f"{type(self).__name__} is a BatchLossTask: microstep computes its "
+                           "loss per batch (weighted_outputs)")
+
+
 # ---------------------------------------------------------------------------------------------
-# The framework's side of the contract: microstep calls this, tasks do not.
+# The framework's side of the contract: microstep calls these, tasks do not.
+def batch_loss_of(task, representations, valid) -> BatchLossOutput:
+  """`task.batch_loss`, checked against the contract (traced, any context)."""
+  out = task.batch_loss(representations, valid)
+  name = type(task).__name__
+  if not isinstance(out, BatchLossOutput):
+    raise errors.TaskError(f"{name}.batch_loss returned {type(out).__name__}; expected "
+                           "base_task.BatchLossOutput(loss=..., metrics=...)")
+  if tf.convert_to_tensor(out.loss).shape.rank != 0:
+    raise errors.TaskError(f"{name}.batch_loss: loss has shape "
+                           f"{tf.convert_to_tensor(out.loss).shape}; expected a scalar")
+  if set(out.metrics) != set(task.metric_names):
+    raise errors.TaskError(f"{name}.batch_loss: metrics {sorted(out.metrics)} differ from "
+                           f"{name}.metric_names {sorted(task.metric_names)}")
+  return out
 def weighted_outputs(task, model, batch: dict, training: bool):
   """Runs `task.per_example_loss` on a batch from `trainer.data`; traced, replica context.
 
@@ -137,6 +192,10 @@ def weighted_outputs(task, model, batch: dict, training: bool):
   from trainer import data  # pylint: disable=g-import-not-at-top
   features = {k: v for k, v in batch.items() if k != data.VALID_KEY}
   valid = batch[data.VALID_KEY]
+  if isinstance(task, BatchLossTask):  # Its own batch's loss, for every example of the batch.
+    out = batch_loss_of(task, task.represent(model, features, training=training), valid)
+    fill = lambda value: tf.fill(tf.shape(valid), tf.cast(value, tf.float32))
+    return fill(out.loss), valid, [fill(out.metrics[m]) for m in task.metric_names]
   out = task.per_example_loss(model, features, training=training)
   name = type(task).__name__
   if not isinstance(out, LossOutput):

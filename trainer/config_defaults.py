@@ -82,6 +82,9 @@ def base_config() -> ml_collections.ConfigDict:
   # --- Gradient accumulation.
   config.accumulation = ml_collections.ConfigDict()
   config.accumulation.steps = 1           # Micro-steps per update (k).
+  # sum: add micro-batch gradients (exact for per-example losses) | gradcache: two passes, exact
+  # for batch-level losses (base_task.BatchLossTask, docs/accumulation.md).
+  config.accumulation.mode = "sum"
   config.accumulation.batchnorm = "error"  # error | per_micro_batch
   # --- Dynamic loss scaling (mixed_float16 only).
   config.loss_scale = ml_collections.ConfigDict()
@@ -96,6 +99,15 @@ def base_config() -> ml_collections.ConfigDict:
   config.triplet = ml_collections.ConfigDict()
   config.triplet.margin = 0.2
   config.triplet.embedding_dim = 64
+  # --- contrastive_pairs task only (InfoNCE with in-batch negatives).
+  config.contrastive = ml_collections.ConfigDict()
+  config.contrastive.temperature = 0.1
+  # --- histogram_chi_square task only (a chi-square between soft histograms).
+  config.histogram = ml_collections.ConfigDict()
+  config.histogram.bins = 16
+  config.histogram.width = 0.15     # Gaussian kernel width, in output units (range [-2, 2]).
+  config.histogram.features = 8
+  config.histogram.train_examples = 4096
   # --- text_classification task only: generated token sequences, a small Transformer.
   config.text = ml_collections.ConfigDict()
   config.text.vocab_size = 1000

@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from trainer import accumulation
 from trainer import base_task
+from trainer import gradcache
 from trainer import optimizers
 from trainer import replica_state
 from trainer import strategies
@@ -101,6 +102,24 @@ class PerReplicaCompiled:
     return self._compiled[replica](*args)
 
 
+def _gradcache_for(config, task, model, strategy):
+  """The GradCache of `accumulation.mode=gradcache`, or one line saying why it cannot be."""
+  if not isinstance(task, base_task.BatchLossTask):
+    raise validation.ConfigError(
+        f"`accumulation.mode`=gradcache needs a task with a batch-level loss "
+        f"(base_task.BatchLossTask: represent + batch_loss); {type(task).__name__} has "
+        "per-example losses, for which `sum` is already exact")
+  if has_trainable_batchnorm(model):
+    raise validation.ConfigError(
+        "`accumulation.mode`=gradcache with trainable BatchNormalization: batch statistics "
+        "differ between the passes and mix examples; freeze it or use LayerNormalization")
+  if int(config.per_example.every_steps):
+    raise validation.ConfigError("`per_example.every_steps` needs `accumulation.mode`=sum "
+                                 "(per-example gradients of a batch-level loss are undefined)")
+  return gradcache.GradCache(task, model, micro_steps=int(config.accumulation.steps),
+                             num_replicas=strategy.num_replicas_in_sync, seed=int(config.seed))
+
+
 class Trainer(orbit.StandardTrainer):
   """Exact gradient accumulation over SyncOnRead buffers; see the module docstring."""
 
@@ -111,6 +130,9 @@ class Trainer(orbit.StandardTrainer):
     self.accumulation_steps = int(config.accumulation.steps)
     self.metric_names = ("loss", "weight") + tuple(task.metric_names)
     variables = model.trainable_variables
+    self.gradcache = None
+    if config.accumulation.mode == "gradcache":
+      self.gradcache = _gradcache_for(config, task, model, strategy)
     if self.accumulation_steps > 1 and has_trainable_batchnorm(model) and (
         config.accumulation.batchnorm == "error"):
       raise validation.ConfigError(
@@ -135,7 +157,7 @@ class Trainer(orbit.StandardTrainer):
           config, task, model, num_replicas=strategy.num_replicas_in_sync,
           accumulation_steps=self.accumulation_steps)
       self.buffers = None
-      if self.accumulation_steps > 1:
+      if self.accumulation_steps > 1 or self.gradcache is not None:
         extra = self.statistics.num_sums if self.statistics.enabled else 0
         self.buffers = accumulation.GradientBuffers(variables, len(self.metric_names) + extra)
     self._state = replica_state.WriteRecorder(model)
@@ -145,8 +167,9 @@ class Trainer(orbit.StandardTrainer):
     if self.xla.micro_step:
       compiled_micro_step = PerReplicaCompiled(self.micro_step)
       self._micro_step_fn = lambda batch: compiled_micro_step(batch)  # A plain replica function.
-    self._update_step_fn = (tf.function(self.update_step, jit_compile=True)
-                            if self.xla.update_step else self.update_step)
+    update_step = self.update_step if self.gradcache is None else self.gradcache_update_step
+    self._update_step_fn = (tf.function(update_step, jit_compile=True)
+                            if self.xla.update_step else update_step)
     # With statistics on every update (and no regularisation losses, which act on the weights
     # directly), the recorded layers' gradients come from the per-example terms' sums.
     self._gradients_from_statistics = (self.statistics.enabled and self.statistics.every == 1
@@ -262,6 +285,20 @@ class Trainer(orbit.StandardTrainer):
       held_grads, held_scalars = self.buffers.take()
       grads = [h + g for h, g in zip(held_grads, grads)]
       scalars = held_scalars + scalars
+    return self._reduce_and_apply(grads, scalars, context)
+
+  def gradcache_update_step(self, *batches):
+    """`accumulation.mode=gradcache`: both passes over the k micro-batches, then the update.
+
+    Replica context; `batches` are this replica's k micro-batches (`trainer.gradcache`).
+    """
+    scalars = self.gradcache.accumulate(batches, self.buffers, self.global_step,
+                                        self.loss_scale)
+    grads, held_scalars = self.buffers.take()
+    return self._reduce_and_apply(grads, held_scalars + scalars, None)
+
+  def _reduce_and_apply(self, grads, scalars, context):
+    """The update's one all-reduce, normalisation, clipping, state, statistics, apply or skip."""
     state = self._state.variables if self._sync_state else []
     reduced = update.finalize_gradients(
         grads, scalars, loss_scale=self.loss_scale,
@@ -286,6 +323,11 @@ class Trainer(orbit.StandardTrainer):
   # --- Cross-replica context (traced).
   def train_step(self, iterator):
     """One optimizer update of k micro-steps; see the module docstring."""
+    if self.gradcache is not None:  # Both passes need the k micro-batches: read them first.
+      batches = tuple(next(iterator) for _ in range(self.accumulation_steps))
+      outputs = self.strategy.run(self._update_step_fn, args=batches)
+      self._count(*update.first_replica(self.strategy, outputs))
+      return
     if self.accumulation_steps > 1:
       for _ in tf.range(self.accumulation_steps - 1):
         self.strategy.run(self._micro_step_fn, args=(next(iterator),))

@@ -65,6 +65,7 @@ def validate(config) -> None:
   _choice(config, "optimizer.name", optimizers.OPTIMIZERS)
   _choice(config, "optimizer.decay", ("constant", "cosine"))
   _choice(config, "accumulation.batchnorm", ("error", "per_micro_batch"))
+  _choice(config, "accumulation.mode", ("sum", "gradcache"))
   _choice(config, "xla", ("auto", "on", "off"))
   _choice(config, "replica_state", ("mean", "local"))
   _choice(config, "per_example.general_path", ("vectorized_map", "loop", "error"))
@@ -103,6 +104,7 @@ def validate(config) -> None:
   for field in ("loss_scale.initial", "optimizer.epsilon"):
     _number(config, field, 0, integer=False, strict=True)
   _number(config, "triplet.margin", 0, integer=False)
+  _number(config, "contrastive.temperature", 0, integer=False, strict=True)
   for field in ("optimizer.beta_1", "optimizer.beta_2"):
     _number(config, field, 0, integer=False)
     if config.optimizer[field.split(".")[1]] >= 1:

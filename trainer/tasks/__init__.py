@@ -14,6 +14,10 @@ BUILT_IN = {
     "triplet": "trainer.tasks.fashion_mnist:Triplet",
     "text_classification": "trainer.tasks.text:TextClassification",
     "npz_classification": "trainer.tasks.npz:NpzClassification",
+    # Batch-level losses (base_task.BatchLossTask): exact with accumulation.mode=gradcache.
+    "contrastive_pairs": "trainer.tasks.batch_losses:ContrastivePairs",
+    "batch_hard_triplet": "trainer.tasks.batch_losses:BatchHardTriplet",
+    "histogram_chi_square": "trainer.tasks.batch_losses:HistogramChiSquare",
 }
 
 

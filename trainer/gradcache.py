@@ -1,0 +1,144 @@
+"""Exact big-batch gradients for losses over the whole batch: gradient caching, across replicas.
+
+A `BatchLossTask`'s loss L(r_1 .. r_N) couples every example of the update (in-batch negatives,
+batch-hard mining, a histogram), so the sum of micro-batch gradients is not ∇L. Gradient
+caching (Gao et al., 2021) makes it exact at micro-batch memory: L is differentiated with
+respect to the representations only, and each micro-batch's forward is redone under a tape
+with those gradients as output gradients. `config.accumulation.mode = "gradcache"`:
+
+    update (replica context, every replica; the k micro-batches of the update as inputs)
+      pass 1, no tape:  for m in tf.range(k): r[m] = represent(batch m)         [k, b, ...]
+      ONE all_gather:   R = r of every replica, in stream order                  [k·R·b, ...]
+      loss gradient:    L = batch_loss(R); dL/dR; keep this replica's rows       (every replica
+                                                                                  computes L)
+      pass 2, tape:     for m in tf.range(k):
+                          buffers += ∂represent(batch m)/∂θ applied to dL/dr[m]  (SyncOnRead)
+    then the usual update: ONE packed all-reduce, clip once, apply or skip on every replica.
+
+Replica 0 alone reports L and a weight of 1, so that the all-reduced gradient, divided by the
+reduced weight, is exactly ∇L. Random layers draw the same masks in both passes: before every
+micro-batch forward, `seeded` sets each Keras SeedGenerator of the model to a state that depends
+on (config.seed, generator, update, micro-step, replica) only. Collectives per update: one all_gather (the update's
+representations and per-example fields, packed as float32) and one packed all-reduce. Memory:
+one micro-batch's activations at a time, plus the update's inputs (kept for pass 2) and its
+representations. Traced, replica context, inside `strategy.run`.
+"""
+import tensorflow as tf
+
+from trainer import accumulation
+from trainer import base_task
+from trainer import data
+
+
+def seed_states(model) -> list:
+  """The state variables of every Keras SeedGenerator of `model` (Dropout and friends)."""
+  states = []
+  for layer in model._flatten_layers():  # pylint: disable=protected-access
+    for generator in getattr(layer, "_seed_generators", []):
+      states.append(generator.state)
+  return states
+
+
+def seeded(states, seed: int, update, micro_step, replica, num_replicas: int,
+           micro_steps: int) -> None:
+  """Sets every SeedGenerator to a state that depends only on (seed, generator, update,
+  micro-step, replica): the same masks wherever and however often that micro-batch runs."""
+  counter = ((tf.cast(update, tf.int64) * micro_steps + tf.cast(micro_step, tf.int64))
+             * num_replicas + tf.cast(replica, tf.int64))
+  for index, state in enumerate(states):
+    base = tf.constant(seed * 7919 + index, tf.int64)  # Distinct per generator (layer).
+    state.assign(tf.cast(tf.stack([base, counter]), state.dtype))
+
+
+def _pack(fields: dict):
+  """[k, b, ...] fields -> one float32 [k, b, F] tensor, and how to unpack it."""
+  names = sorted(fields)
+  layout = [(n, fields[n].dtype, fields[n].shape[2:]) for n in names]
+  flat = [tf.reshape(tf.cast(fields[n], tf.float32), tf.concat([tf.shape(fields[n])[:2], [-1]], 0))
+          for n in names]
+  return tf.concat(flat, axis=2), layout
+
+
+def _unpack(packed, layout) -> dict:
+  sizes = [int(shape.num_elements()) for _, _, shape in layout]
+  out = {}
+  for (name, dtype, shape), part in zip(layout, tf.split(packed, sizes, axis=2)):
+    out[name] = tf.cast(tf.reshape(part, tf.concat([tf.shape(part)[:2], shape], 0)), dtype)
+  return out
+
+
+def _differentiable(fields: dict) -> list:
+  return sorted(n for n, t in fields.items() if t.dtype.is_floating)
+
+
+class GradCache:
+  """The two-pass accumulation of one trainer; built eagerly, used traced (module docstring)."""
+
+  def __init__(self, task, model, *, micro_steps: int, num_replicas: int, seed: int):
+    self.task, self.model = task, model
+    self.micro_steps, self.num_replicas, self.seed = micro_steps, num_replicas, seed
+    self._states = seed_states(model)
+
+  def _represent(self, batch, update, micro_step, replica):
+    seeded(self._states, self.seed, update, micro_step, replica, self.num_replicas,
+           self.micro_steps)
+    features = {k: v for k, v in batch.items() if k != data.VALID_KEY}
+    return self.task.represent(self.model, features, training=True)
+
+  def accumulate(self, batches, buffers, update, loss_scale=None):
+    """Both passes over this replica's k micro-batches; adds ∇L's share into `buffers`.
+
+    Returns this replica's scalar sums [L, weight, metrics...] (zeros except on replica 0).
+    """
+    ctx = tf.distribute.get_replica_context()
+    replica = ctx.replica_id_in_sync_group
+    stacked = tf.nest.map_structure(lambda *parts: tf.stack(parts), *batches)
+    take = lambda m: tf.nest.map_structure(lambda t: t[m], stacked)
+    k = self.micro_steps
+
+    # Pass 1: representations only, no tape; one micro-batch's activations at a time.
+    first = self._represent(take(0), update, 0, replica)
+    arrays = {n: tf.TensorArray(t.dtype, size=k, element_shape=t.shape).write(0, t)
+              for n, t in first.items()}
+    for m in tf.range(1, k):
+      reps = self._represent(take(m), update, m, replica)
+      arrays = {n: arrays[n].write(m, reps[n]) for n in arrays}
+    local = {n: a.stack() for n, a in arrays.items()}                     # [k, b, ...]
+
+    # The whole update's representations, stream order: micro-step-major, then replica.
+    packed, layout = _pack(local)
+    gathered = _unpack(ctx.all_gather(packed, axis=1), layout)            # [k, R·b, ...]
+    everything = {n: tf.reshape(t, tf.concat([[-1], tf.shape(t)[2:]], 0))
+                  for n, t in gathered.items()}                           # [k·R·b, ...]
+    differentiable = _differentiable(everything)
+    with tf.GradientTape() as tape:
+      tape.watch([everything[n] for n in differentiable])
+      out = base_task.batch_loss_of(self.task, everything,
+                                    tf.ones(tf.shape(everything[differentiable[0]])[:1]))
+      loss = tf.cast(out.loss, tf.float32)
+    row_grads = tape.gradient(loss, [everything[n] for n in differentiable],
+                              unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    per_replica = tf.shape(local[differentiable[0]])[1]
+    start = tf.cast(replica, tf.int32) * per_replica
+    mine = {}
+    for name, grad in zip(differentiable, row_grads):
+      grid = tf.reshape(grad, tf.shape(gathered[name]))                  # [k, R·b, ...]
+      mine[name] = grid[:, start:start + per_replica]                    # this replica's rows
+      if loss_scale is not None:
+        mine[name] *= tf.cast(loss_scale, mine[name].dtype)
+
+    # Pass 2: each micro-batch again, under a tape, pushing dL/dr[m] into the buffers.
+    variables = self.model.trainable_variables
+    zeros = tf.zeros(buffers.scalars.shape, tf.float32)
+    for m in tf.range(k):
+      with tf.GradientTape() as tape:
+        reps = self._represent(take(m), update, m, replica)
+      grads = tape.gradient([reps[n] for n in differentiable], variables,
+                            output_gradients=[tf.cast(mine[n][m], reps[n].dtype)
+                                              for n in differentiable],
+                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+      buffers.add([accumulation.dense_float32(g, v) for g, v in zip(grads, variables)], zeros)
+
+    first_replica = tf.cast(tf.equal(replica, 0), tf.float32)
+    metrics = [tf.cast(out.metrics[name], tf.float32) for name in self.task.metric_names]
+    return tf.stack([loss, 1.0] + metrics) * first_replica
