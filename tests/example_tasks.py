@@ -87,3 +87,40 @@ class Flaky(NoMetrics):
   def per_example_loss(self, model, batch, training):
     loss = _xent(model, {"x": batch["x"], "y": batch["y"]}, training)[0]
     return base_task.LossOutput(loss=tf.where(batch["poison"] > 0, float("nan"), loss))
+
+
+class _TiedOutput(keras.layers.Layer):
+  """Logits from the embedding matrix itself (weight tying through other code)."""
+
+  def __init__(self, embedding, **kwargs):
+    super().__init__(**kwargs)
+    self.embedding = embedding
+
+  def call(self, x):
+    return tf.matmul(x, self.embedding.embeddings, transpose_b=True)
+
+
+class TiedEmbeddings(NoMetrics):
+  """Tokens -> Embedding -> mean -> Dense -> logits through the SAME embedding matrix."""
+
+  def build_model(self):
+    tokens = keras.Input((4,), dtype="int32")
+    embedding = keras.layers.Embedding(2, 6)
+    x = keras.layers.Dense(6)(keras.layers.GlobalAveragePooling1D()(embedding(tokens)))
+    return keras.Model(tokens, _TiedOutput(embedding)(x))
+
+  def train_data(self):
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(0, 2, (128, 4)).astype(np.int32)
+    return {"x": tokens, "y": (tokens.sum(1) > 1).astype(np.int64)}
+
+  def eval_data(self):
+    return None
+
+
+class WithDropout(NoMetrics):
+  """The MLP with Dropout: a resumed run must draw the masks an uninterrupted one draws."""
+
+  def build_model(self):
+    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dropout(0.5), keras.layers.Dense(2)])

@@ -171,3 +171,18 @@ def assert_same_weights(workdir_a, workdir_b):
   assert a.keys() == b.keys()
   for name in a:
     assert np.array_equal(a[name], b[name]), name
+
+
+def assert_resume_is_bitwise(tmp_path, recipe, *overrides, stop_at=2, train_steps=6):
+  """Trains `train_steps` updates in one CLI run, and in two (stopping after `stop_at`, then
+  rerunning to `train_steps`); asserts the second run resumed and both end with bitwise equal
+  weights. Returns the (full, resumed second) CompletedProcesses."""
+  full = run_cli(tmp_path / "full", recipe, f"train_steps={train_steps}", *overrides)
+  assert full.returncode == 0, full.stderr[-2000:]
+  first = run_cli(tmp_path / "resumed", recipe, f"train_steps={stop_at}", *overrides)
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = run_cli(tmp_path / "resumed", recipe, f"train_steps={train_steps}", *overrides)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "restored" in second.stderr and f"at update {stop_at}" in second.stderr
+  assert_same_weights(tmp_path / "full", tmp_path / "resumed")
+  return full, second

@@ -223,6 +223,11 @@ def test_cli_exit_codes(tmp_path):
 def test_restoring_a_checkpoint_of_another_model_is_one_line(trained_workdir):
   workdir, latest = trained_workdir
   config = helpers.tiny_config(model="small_cnn")
+  # The resume guard names the changed field before anything is restored...
+  with pytest.raises(validation.ConfigError, match=r"changed `model` \('mlp' -> 'small_cnn'\)"):
+    run.run(config, str(workdir))
+  # ...and when the user waives it, the restore itself still refuses in one line.
+  config.allow_config_change = "model"
   with pytest.raises(validation.ConfigError, match="does not match this config"):
     run.run(config, str(workdir))
   assert tf.train.latest_checkpoint(str(workdir / "checkpoints")) == latest

@@ -51,14 +51,7 @@ def test_shipped_example_trains_under_mirrored_with_k4_and_resumes_bitwise(tmp_p
   if name == "npz_arrays":
     overrides.append(f"data.path={_npz(tmp_path / 'mine.npz')}")
   recipe = f"configs/{name}.py:smoke"
-  full = helpers.run_cli(tmp_path / "full", recipe, "train_steps=6", *overrides)
-  assert full.returncode == 0, full.stderr[-2000:]
-  first = helpers.run_cli(tmp_path / "resumed", recipe, "train_steps=2", *overrides)
-  assert first.returncode == 0, first.stderr[-2000:]
-  second = helpers.run_cli(tmp_path / "resumed", recipe, "train_steps=6", *overrides)
-  assert second.returncode == 0, second.stderr[-2000:]
-  assert "restored" in second.stderr and "at update 2" in second.stderr
-  helpers.assert_same_weights(tmp_path / "full", tmp_path / "resumed")
+  helpers.assert_resume_is_bitwise(tmp_path, recipe, *overrides)
 
 
 def test_npz_recipe_without_a_path_is_one_line(tmp_path):

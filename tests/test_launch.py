@@ -253,3 +253,20 @@ def test_local_multi_worker_really_trains(tmp_path):
   checkpoints = workdir / "checkpoints"
   names = [p.name for p in checkpoints.rglob("*")] if checkpoints.is_dir() else []
   assert any(n == "checkpoint" or n.startswith("ckpt-") for n in names), names
+
+
+@pytest.mark.parametrize("tf_config,key", [
+    ({"cluster": {"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "task": {"type": "chief", "index": 0}}, ""),
+    ({"cluster": {"chief": ["a:1"], "worker": ["b:1", "c:1"]}, "task": {"type": "worker", "index": 0}},
+     "worker_0"),
+    ({"cluster": {"worker": ["b:1", "c:1"]}, "task": {"type": "worker", "index": 0}}, ""),
+    ({"cluster": {"worker": ["b:1", "c:1"]}, "task": {"type": "worker", "index": 1}}, "worker_1"),
+])
+def test_the_chief_holds_the_workdirs_main_lock(monkeypatch, tf_config, key):
+  """A plain run and a multi-worker chief contend for the same `.lock`; other workers have theirs."""
+  import json  # pylint: disable=g-import-not-at-top
+  from trainer import config_defaults, strategies  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
+  config = config_defaults.base_config()
+  config.strategy = "multi_worker_mirrored"
+  assert strategies.task_key(config) == key

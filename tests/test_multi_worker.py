@@ -2,10 +2,13 @@
 
 Each worker runs under `timeout -k 5 240`; the test ends only the PIDs it started.
 """
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -116,14 +119,13 @@ def test_a_worker_whose_peer_never_arrives_exits_with_a_clear_error(tmp_path):
   del exit_codes
 
 
-def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
-  import signal  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
+@contextlib.contextmanager
+def training_workers(tmp_path):
+  """Two CLI workers training "forever" (no `timeout` wrapper: the test signals the trainers by
+  their own PIDs); yields them once the first checkpoint exists, and kills what still runs."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from trainer import exit_codes  # pylint: disable=g-import-not-at-top
   ports = free_ports(2)
   logs = [open(tmp_path / f"worker{i}.log", "w+") for i in range(2)]  # pylint: disable=consider-using-with
-  # No `timeout` wrapper here: the test must SIGKILL the trainer itself, by its own PID.
   procs = [subprocess.Popen(
       [sys.executable] + _trainer_cmd(tmp_path, i, ports, "--config.train_steps=100000")[5:],
       cwd=REPO, env=_worker_env(i, ports), stdout=subprocess.DEVNULL, stderr=logs[i])
@@ -134,6 +136,20 @@ def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
       assert time.time() < deadline, "no checkpoint within 120 s"
       assert all(p.poll() is None for p in procs)
       time.sleep(0.5)
+    yield procs, logs
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait(timeout=30)
+    for log in logs:
+      log.close()
+
+
+def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import exit_codes  # pylint: disable=g-import-not-at-top
+  with training_workers(tmp_path) as (procs, logs):
     procs[1].send_signal(signal.SIGKILL)  # We started it; we end it by its PID.
     killed_at = time.time()
     procs[0].wait(timeout=60)
@@ -142,13 +158,6 @@ def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
     assert procs[0].returncode == exit_codes.PEER_LOST_EXIT_CODE, err[-2000:]
     assert time.time() - killed_at < 15 + 10
     assert "multi-worker peer stopped answering" in err
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-      p.wait(timeout=30)
-    for log in logs:
-      log.close()
   step = int(tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).rsplit("-", 1)[1])
   ports = free_ports(2)
   logs = [tmp_path / f"restart{i}.log" for i in range(2)]
@@ -163,3 +172,21 @@ def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
   assert [p.returncode for p in restarted] == [0, 0], errs[0][-1500:] + errs[1][-1500:]
   assert f"at update {step}" in errs[0]
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"ckpt-{step + 5}")
+
+
+def test_sigterm_to_one_worker_stops_both_with_a_checkpoint(tmp_path):
+  """TF's C++ preemption notifier takes SIGTERM over when MultiWorkerMirroredStrategy starts;
+  microstep takes it back: the signalled worker and its peer agree, save, and exit 42."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import exit_codes  # pylint: disable=g-import-not-at-top
+  with training_workers(tmp_path) as (procs, _):
+    procs[1].send_signal(signal.SIGTERM)  # We started it; we signal it by its PID.
+    for p in procs:
+      p.wait(timeout=60)
+  errs = [(tmp_path / f"worker{i}.log").read_text() for i in range(2)]
+  assert [p.returncode for p in procs] == [exit_codes.PREEMPTED_EXIT_CODE] * 2, (
+      errs[0][-1500:] + errs[1][-1500:])
+  steps = {int(e.strip().splitlines()[-1].split("at update ")[1].split(",")[0]) for e in errs}
+  assert len(steps) == 1, steps  # Both saved the same update.
+  latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+  assert latest.endswith(f"ckpt-{steps.pop()}")

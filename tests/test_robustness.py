@@ -133,6 +133,23 @@ def test_checkpoints_being_a_file_is_one_line(tmp_path):
     run.run(helpers.tiny_config(), str(tmp_path))
 
 
+def test_an_evaluator_runs_beside_a_live_trainer(tmp_path):
+  """Evaluators only read checkpoints: they take their own lock, repair nothing, and leave the
+  trainer's config.json and result.json alone."""
+  trainer = _popen(tmp_path, "train_steps=100000", *DETERMINISTIC)
+  try:
+    _wait_for(trainer, "train step")
+    config_before = (tmp_path / "config.json").read_text()
+    evaluator = helpers.run_cli(tmp_path, RECIPE, "mode=eval", "deterministic=True", timeout=120)
+    assert evaluator.returncode == 0, evaluator.stderr[-2000:]
+    assert (tmp_path / "result.eval.json").exists() and not (tmp_path / "result.json").exists()
+    assert (tmp_path / "config.json").read_text() == config_before
+  finally:
+    trainer.send_signal(signal.SIGTERM)
+    code, err = _finish(trainer, timeout=60)
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+
+
 @pytest.mark.parametrize("mode", ["eval", "export"])
 def test_eval_or_export_on_an_empty_workdir_is_one_line(tmp_path, mode):
   with pytest.raises(errors.ConfigError, match=f"`mode`={mode} but `--workdir`=.* holds no "
@@ -219,7 +236,7 @@ def test_a_full_disk_during_a_save_has_its_own_exit_code(tmp_path):
        "disk_full:4", f"--config={helpers.REPO}/{RECIPE}", f"--workdir={tmp_path}",
        "--config.train_steps=8"] + [f"--config.{o}" for o in DETERMINISTIC],
       cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=260, check=False)
-  assert done.returncode == exit_codes.CHECKPOINT_WRITE_FAILED_EXIT_CODE, done.stderr[-2000:]
+  assert done.returncode == exit_codes.CHECKPOINT_IO_EXIT_CODE, done.stderr[-2000:]
   line = _error_line(done)
   assert "cannot write a checkpoint" in line and "disk full?" in line and "ckpt-2" in line
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
@@ -292,6 +309,23 @@ def test_sigterm_while_evaluating_continuously_exits_42(tmp_path):
   proc.send_signal(signal.SIGTERM)
   code, err = _finish(proc, timeout=60)
   assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+
+
+def test_a_repeated_sigterm_still_writes_the_checkpoint(tmp_path):
+  proc = _popen(tmp_path, "train_steps=100000", *DETERMINISTIC)
+  _wait_for(proc, "train step")
+  proc.send_signal(signal.SIGTERM)
+  time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)  # A supervisor and a VM shutdown, say.
+  code, err = _finish(proc, timeout=60)
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert "stopped by SIGTERM; checkpoint written at update" in err.strip().splitlines()[-1]
+
+
+def test_dropout_masks_resume_bitwise(tmp_path):
+  """The random layers' generator state is in the checkpoint: the masks continue, not restart."""
+  extra = ("task=example_tasks:WithDropout", *DETERMINISTIC)
+  helpers.assert_resume_is_bitwise(tmp_path, RECIPE, *extra)
 
 
 # ---------------------------------------------------------------------------- divergence ------

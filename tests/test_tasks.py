@@ -162,6 +162,18 @@ def test_tf_data_task_resumes_bitwise_after_kill_9(tmp_path, strategy, crash, ho
   helpers.assert_same_weights(tmp_path / "full", killed)
 
 
+def test_tf_data_resume_with_another_replica_count_skips_with_a_warning(tmp_path):
+  extra = ("task=example_tasks:Streamed", "mode=train", "export_at_end=False", "steps_per_loop=2",
+           "checkpoint_every=2")
+  first = helpers.run_cli(tmp_path, "configs/fashion_mnist.py:smoke", "train_steps=2", *extra)
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = helpers.run_cli(tmp_path, "configs/fashion_mnist.py:smoke", "train_steps=4",
+                           "strategy=mirrored", "cpu_replicas=2", *extra)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "was saved for (workers, replicas, batch) = [1, 1, 32], not [1, 2, 16]" in second.stderr
+  assert "skipping the 2 micro-batches" in second.stderr
+
+
 # ------------------------------------------------------------------------------ export --------
 def test_export_round_trips_in_a_fresh_process(tmp_path):
   config = helpers.tiny_config(**{"task": "text_classification", "text.train_examples": 128,

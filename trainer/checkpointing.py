@@ -53,11 +53,18 @@ def data_state_dir(workdir: str, worker_id: int) -> str:
   return os.path.join(workdir, "data_state", f"worker_{worker_id}")
 
 
+def _data_checkpoint(data_iterator, layout) -> tf.train.Checkpoint:
+  """A worker's input state: the iterator, and the batch layout it was made for."""
+  return tf.train.Checkpoint(iterator=data_iterator,
+                             layout=tf.Variable(layout, dtype=tf.int64, trainable=False))
+
+
 def create_manager(checkpoint, workdir: str, *, is_chief: bool, worker_id: int, step_counter,
-                   config, data_iterator=None) -> tf.train.CheckpointManager:
+                   config, data_iterator=None, data_layout=()) -> tf.train.CheckpointManager:
   """The run's checkpoint manager (the chief's directory, or a worker's scratch directory).
 
-  With `data_iterator`, each save also stores this worker's iterator under `data_state/`.
+  With `data_iterator`, each save also stores this worker's iterator under `data_state/`,
+  with `data_layout` (workers, local replicas, examples per replica batch).
   """
   own_dir = checkpoint_dir(workdir) if is_chief else os.path.join(workdir,
                                                                   f"tmp_worker_{worker_id}")
@@ -66,7 +73,7 @@ def create_manager(checkpoint, workdir: str, *, is_chief: bool, worker_id: int, 
   data_manager = None
   if data_iterator is not None:
     data_manager = tf.train.CheckpointManager(
-        tf.train.Checkpoint(iterator=data_iterator), data_state_dir(workdir, worker_id),
+        _data_checkpoint(data_iterator, list(data_layout)), data_state_dir(workdir, worker_id),
         max_to_keep=config.keep_checkpoints + 1)
   return _ManagerWithDataState(
       checkpoint, own_dir, max_to_keep=config.keep_checkpoints if is_chief else 1,
@@ -74,12 +81,27 @@ def create_manager(checkpoint, workdir: str, *, is_chief: bool, worker_id: int, 
       data_manager=data_manager)
 
 
-def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int) -> bool:
-  """Restores this worker's iterator saved at update `step`; False if there is none."""
+def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int,
+                       layout) -> bool:
+  """Restores this worker's iterator saved at update `step`; False (with a warning) if there
+  is none, it is damaged, or it was saved for another batch layout (replica count, batch size):
+  the caller then skips the consumed batches instead."""
   path = os.path.join(data_state_dir(workdir, worker_id), f"ckpt-{step}")
   if not tf.io.gfile.exists(path + ".index"):
     return False
-  tf.train.Checkpoint(iterator=data_iterator).restore(path).assert_existing_objects_matched()
+  try:
+    saved = [int(v) for v in tf.train.load_checkpoint(path).get_tensor(
+        "layout/.ATTRIBUTES/VARIABLE_VALUE")]
+    if saved != list(layout):
+      logging.warning("the input iterator of update %d was saved for (workers, replicas, batch) "
+                      "= %s, not %s: skipping the consumed batches instead", step, saved,
+                      list(layout))
+      return False
+    _data_checkpoint(data_iterator, list(layout)).restore(path).assert_existing_objects_matched()
+  except (*_DAMAGE, tf.errors.OpError, AssertionError, ValueError) as e:
+    logging.warning("the input iterator of update %d does not read back (%s): skipping the "
+                    "consumed batches instead", step, _reason(e))
+    return False
   logging.info("restored the input iterator of update %d from %s", step, path)
   return True
 
@@ -89,9 +111,17 @@ class CheckpointWriteError(RuntimeError):
   """A checkpoint could not be written (disk full, permissions); the previous one stands."""
 
 
+class CheckpointReadError(RuntimeError):
+  """A checkpoint could not be read for a reason other than damage (storage unavailable,
+  permission denied, out of memory): nothing is moved aside; rerun when storage is back."""
+
+
 # What a damaged checkpoint raises on restore (truncated, zeroed or missing files). A checkpoint
 # of another model raises AssertionError/ValueError instead: that is a config change, not damage.
-_DAMAGE = (tf.errors.OpError, IndexError, RuntimeError, OSError, EOFError)
+# Other TF errors (Unavailable, DeadlineExceeded, PermissionDenied, ResourceExhausted...) say the
+# storage failed, not the files: they must not send a good checkpoint to damaged/.
+_DAMAGE = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
+           tf.errors.InvalidArgumentError, IndexError, RuntimeError, EOFError)
 
 
 def _numbered(directory: str) -> list:
@@ -131,6 +161,13 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
     except _DAMAGE as e:
       skipped.append((prefix, _reason(e)))
       continue
+    except tf.errors.OpError as e:
+      if type(e) is not tf.errors.OpError:  # Bare OpError: the reader's checksum mismatch.
+        raise CheckpointReadError(
+            f"cannot read the checkpoint {prefix} ({_reason(e)}); storage unavailable? Nothing "
+            "was moved; rerun to resume") from None
+      skipped.append((prefix, _reason(e)))
+      continue
     except (AssertionError, ValueError) as e:
       raise errors.ConfigError(
           f"the checkpoint {prefix} does not match this config (model, optimizer or "
@@ -146,6 +183,29 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
         f"no checkpoint in {directory} reads back ({'; '.join(why for _, why in skipped[:2])}); "
         "nothing was overwritten: move them away or use a fresh `--workdir` to start over")
   return None
+
+
+def has_checkpoints(directory: str) -> bool:
+  """Whether `directory` holds any `ckpt-N` index file (readable or not)."""
+  return bool(_numbered(directory))
+
+
+def check_workers_agree(strategy, global_step) -> None:
+  """Multi-worker: every worker must have restored the same update (eager, one collective).
+
+  A worker whose read failed differently (a file seen damaged by one and not another) would
+  otherwise train out of step without any error.
+  """
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return
+  step = tf.cast(global_step.read_value(), tf.float64)
+  moments = tf.function(lambda: strategy.reduce(   # Every worker gets the same answer.
+      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([step, step * step])),
+      axis=None))().numpy()
+  if moments[1] - moments[0] ** 2 > 0.1:  # Integers: any disagreement gives a variance >= 0.25.
+    from trainer import errors  # pylint: disable=g-import-not-at-top
+    raise errors.ConfigError(f"the workers restored different updates (this one {int(step)}, "
+                             f"their mean {moments[0]:.1f}); restart all workers together")
 
 
 def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:

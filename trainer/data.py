@@ -177,9 +177,14 @@ def shuffled_ids(positions: tf.Tensor, num: int, seed: int, shuffle: bool) -> tf
   return tf.where(epochs == first, this_epoch, next_epoch)
 
 
+def local_replicas(input_context) -> int:
+  """Replicas fed by this input pipeline (one pipeline per worker)."""
+  return input_context.num_replicas_in_sync // input_context.num_input_pipelines
+
+
 def replica_positions(chunk, input_context, global_batch: int):
   """Stream positions of the per-replica batch `chunk` of this input pipeline (traced)."""
-  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  local = local_replicas(input_context)
   per_replica = input_context.get_per_replica_batch_size(global_batch)
   global_index = chunk // local
   replica = input_context.input_pipeline_id * local + chunk % local
@@ -217,7 +222,7 @@ def batch_at(source: base_task.ExampleSource, positions, *, seed: int, shuffle: 
 def train_stream(input_context, source: base_task.ExampleSource, global_batch: int, *,
                  seed: int, shuffle: bool, start_batch: int = 0) -> tf.data.Dataset:
   """Per-replica training batches of global micro-batches start_batch, ... (host)."""
-  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  local = local_replicas(input_context)
 
   def make_batch(chunk):
     positions = replica_positions(chunk, input_context, global_batch)
@@ -233,7 +238,7 @@ def eval_stream(input_context, source: base_task.ExampleSource, global_batch: in
 
   `num_batches` global batches (default: enough to cover the source once).
   """
-  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  local = local_replicas(input_context)
   steps = eval_steps(source, global_batch) if num_batches is None else num_batches
 
   def make_batch(chunk):
@@ -268,7 +273,7 @@ def factory_train_stream(input_context, factory: DatasetFactory, global_batch: i
 
   `skip_batches` global micro-batches are dropped first (resume without a stored iterator).
   """
-  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  local = local_replicas(input_context)
   per_replica = input_context.get_per_replica_batch_size(global_batch)
   dataset = factory.dataset(input_context).repeat().batch(per_replica, drop_remainder=True)
   dataset = dataset.map(_mark_valid, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -293,7 +298,7 @@ def factory_eval_stream(input_context, factory: DatasetFactory,
   The last batch is padded to full size (VALID_KEY 0), and all-padding batches are appended so
   that every local replica gets a batch at every step.
   """
-  local = input_context.num_replicas_in_sync // input_context.num_input_pipelines
+  local = local_replicas(input_context)
   per_replica = input_context.get_per_replica_batch_size(global_batch)
   batches = factory.dataset(input_context).batch(per_replica).map(
       lambda b: _pad_to(_mark_valid(b), per_replica))

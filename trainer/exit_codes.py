@@ -15,8 +15,9 @@ any other non-zero code is for a person to read.
                        (they resume from the last checkpoint). A peer that never arrives within
                        `config.peer_timeout_s` is different: TF blocks in C++ then, so a watchdog
                        prints one line and SIGKILLs the worker (exit -9/137, not restarted).
-  CHECKPOINT_WRITE_FAILED_EXIT_CODE  (74, EX_IOERR) a checkpoint could not be written (disk
-                       full, permissions): the previous checkpoint is still the latest.
+  CHECKPOINT_IO_EXIT_CODE  (74, EX_IOERR) a checkpoint could not be written (disk full,
+                       permissions: the previous checkpoint is still the latest) or read for a
+                       reason other than damage (storage unavailable: nothing was moved).
   INTERRUPTED_EXIT_CODE  (130) Ctrl-C (SIGINT): a checkpoint was written if there was progress;
                        rerun to resume. Not restarted by the launchers: a person asked to stop.
 
@@ -28,5 +29,5 @@ BAD_INPUT_EXIT_CODE = 2
 DIVERGED_EXIT_CODE = 3
 PREEMPTED_EXIT_CODE = 42
 PEER_LOST_EXIT_CODE = 43
-CHECKPOINT_WRITE_FAILED_EXIT_CODE = 74
+CHECKPOINT_IO_EXIT_CODE = 74
 INTERRUPTED_EXIT_CODE = 130

@@ -6,10 +6,10 @@ Written with Keras 3's `model.export(format="tf_saved_model")`, which saves the 
 pass in inference mode (`training=False`) as the `serve` endpoint and `serving_default`
 signature. The input signature is the model's own `inputs`, or `Task.serving_signature()` for
 models without them (subclassed models). The files are written to a temporary directory and
-renamed into place, so `export/<update>` is either complete or absent.
+renamed into place, so `export/<update>` is either complete or absent. Local and gs:// workdirs
+alike (`tf.io.gfile`; on GCS a directory rename copies, so it is not atomic there).
 """
 import os
-import shutil
 
 from absl import logging
 import tensorflow as tf
@@ -17,22 +17,27 @@ import tensorflow as tf
 from trainer import errors
 
 
+def _remove(path: str) -> None:
+  if tf.io.gfile.exists(path):
+    tf.io.gfile.rmtree(path)
+
+
 def export_model(task, model, workdir: str, step: int) -> str:
-  """Writes `workdir/export/<step>`; returns its path."""
+  """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path."""
   final = os.path.join(workdir, "export", str(step))
   partial = final + ".partial"
-  shutil.rmtree(partial, ignore_errors=True)
-  os.makedirs(os.path.dirname(final), exist_ok=True)
+  _remove(partial)
+  tf.io.gfile.makedirs(os.path.dirname(final))
   signature = task.serving_signature()
   try:
     model.export(partial, format="tf_saved_model", verbose=False, input_signature=signature)
   except (ValueError, TypeError) as e:
-    shutil.rmtree(partial, ignore_errors=True)
+    _remove(partial)
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise errors.TaskError(
         f"cannot export the model of {type(task).__name__} ({first_line}); give the task a "
         "serving_signature() returning the input tf.TensorSpec list") from None
-  shutil.rmtree(final, ignore_errors=True)
-  os.rename(partial, final)
+  _remove(final)
+  tf.io.gfile.rename(partial, final)
   logging.info("exported the model of update %d to %s", step, final)
   return final

@@ -28,15 +28,7 @@ import tensorflow as tf
 from trainer import accumulation
 from trainer import base_task
 from trainer import data
-
-
-def seed_states(model) -> list:
-  """The state variables of every Keras SeedGenerator of `model` (Dropout and friends)."""
-  states = []
-  for layer in model._flatten_layers():  # pylint: disable=protected-access
-    for generator in getattr(layer, "_seed_generators", []):
-      states.append(generator.state)
-  return states
+from trainer import replica_state
 
 
 def seeded(states, seed: int, update, micro_step, replica, num_replicas: int,
@@ -50,20 +42,41 @@ def seeded(states, seed: int, update, micro_step, replica, num_replicas: int,
     state.assign(tf.cast(tf.stack([base, counter]), state.dtype))
 
 
+def _as_words(t):
+  """A field as float32 words for the packed all_gather, and their count per example.
+
+  Floats are cast to float32 (and stay float32 after the gather: the loss gradient is formed
+  there, before any loss scale). Integers and bools travel bit for bit: as int64, bitcast to two
+  float32 words (a float32 cast would round labels above 2^24); a gather only copies them.
+  """
+  if t.dtype.is_floating:
+    return tf.cast(t, tf.float32), 1
+  words = tf.bitcast(tf.bitcast(tf.cast(t, tf.int64), tf.int32), tf.float32)  # [..., 2]
+  return words, 2
+
+
 def _pack(fields: dict):
   """[k, b, ...] fields -> one float32 [k, b, F] tensor, and how to unpack it."""
   names = sorted(fields)
-  layout = [(n, fields[n].dtype, fields[n].shape[2:]) for n in names]
-  flat = [tf.reshape(tf.cast(fields[n], tf.float32), tf.concat([tf.shape(fields[n])[:2], [-1]], 0))
-          for n in names]
+  layout, flat = [], []
+  for name in names:
+    words, per_value = _as_words(fields[name])
+    layout.append((name, fields[name].dtype, fields[name].shape[2:], per_value))
+    flat.append(tf.reshape(words, tf.concat([tf.shape(words)[:2], [-1]], 0)))
   return tf.concat(flat, axis=2), layout
 
 
 def _unpack(packed, layout) -> dict:
-  sizes = [int(shape.num_elements()) for _, _, shape in layout]
+  """Inverse of `_pack`: floats come back as float32, integers with their own dtype."""
+  sizes = [int(shape.num_elements()) * per_value for _, _, shape, per_value in layout]
   out = {}
-  for (name, dtype, shape), part in zip(layout, tf.split(packed, sizes, axis=2)):
-    out[name] = tf.cast(tf.reshape(part, tf.concat([tf.shape(part)[:2], shape], 0)), dtype)
+  for (name, dtype, shape, per_value), part in zip(layout, tf.split(packed, sizes, axis=2)):
+    lead = tf.shape(part)[:2]
+    if per_value == 1:
+      out[name] = tf.reshape(part, tf.concat([lead, shape], 0))
+    else:
+      words = tf.reshape(part, tf.concat([lead, shape, [2]], 0))
+      out[name] = tf.cast(tf.bitcast(tf.bitcast(words, tf.int32), tf.int64), dtype)
   return out
 
 
@@ -77,7 +90,7 @@ class GradCache:
   def __init__(self, task, model, *, micro_steps: int, num_replicas: int, seed: int):
     self.task, self.model = task, model
     self.micro_steps, self.num_replicas, self.seed = micro_steps, num_replicas, seed
-    self._states = seed_states(model)
+    self._states = replica_state.seed_states(model)
 
   def _represent(self, batch, update, micro_step, replica):
     seeded(self._states, self.seed, update, micro_step, replica, self.num_replicas,

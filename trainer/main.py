@@ -4,7 +4,8 @@ Override any field with `--config.FIELD=VALUE` (e.g. `--config.accumulation.step
 failure is one line on stderr, `microstep: error: ...`, with an exit code the launchers act on
 (`trainer/exit_codes.py`): 0 done; 2 bad config, data, workdir or task; 3 too many non-finite
 updates; 42 preempted (SIGTERM: checkpoint written, rerun to resume); 43 a multi-worker peer was
-lost; 74 a checkpoint could not be written; 130 interrupted (Ctrl-C: checkpoint written).
+lost; 74 a checkpoint could not be written or read (storage); 130 interrupted (Ctrl-C:
+checkpoint written).
 
 A config file outside the repository may name a task in a module beside it
 (`config.task = "my_task:MyTask"`): the config file's directory is importable, as is the
@@ -56,8 +57,8 @@ def main(argv):
     flag_errors.fail(str(e), exit_codes.DIVERGED_EXIT_CODE)
   except preemption.PeerLostError as e:
     flag_errors.fail(str(e), exit_codes.PEER_LOST_EXIT_CODE)
-  except checkpointing.CheckpointWriteError as e:
-    flag_errors.fail(str(e), exit_codes.CHECKPOINT_WRITE_FAILED_EXIT_CODE)
+  except (checkpointing.CheckpointWriteError, checkpointing.CheckpointReadError) as e:
+    flag_errors.fail(str(e), exit_codes.CHECKPOINT_IO_EXIT_CODE)
 
 
 def run_cli() -> None:

@@ -22,8 +22,8 @@ function handed to `strategy.run` returns only tensors, so the same code runs in
 local forward/backward and buffer adds; the whole update where XLA has the collective (one
 replica, or GPUs only); see docs/design.md.
 """
+import contextlib
 import time
-from typing import NamedTuple
 
 from absl import logging
 import orbit
@@ -34,10 +34,10 @@ from trainer import base_task
 from trainer import gradcache
 from trainer import optimizers
 from trainer import replica_state
-from trainer import strategies
 from trainer import update
 from trainer import update_statistics
 from trainer import validation
+from trainer import xla
 
 _MIRRORED_SCALAR = dict(trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
 
@@ -50,56 +50,6 @@ def has_trainable_batchnorm(model) -> bool:
   import keras  # pylint: disable=g-import-not-at-top
   return any(isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
              for layer in model._flatten_layers())  # pylint: disable=protected-access
-
-
-class XlaPlan(NamedTuple):
-  """Which replica functions are compiled with XLA (`jit_compile=True`).
-
-  Attributes:
-    enabled: `config.xla` resolved ("auto": on for GPUs, off on CPUs; TPUs compile anyway).
-    micro_step: the micro-step (local forward, backward, buffer adds).
-    update_step: the whole update step (needs XLA's collective: one replica, or GPUs only).
-    local_sums: the update step's local forward/backward, when the whole step is not compiled.
-  """
-  enabled: bool
-  micro_step: bool
-  update_step: bool
-  local_sums: bool
-
-
-def xla_plan(config, strategy) -> XlaPlan:
-  """Resolves `config.xla` for `strategy` (eager, host)."""
-  kind = strategies.device_kind(strategy)
-  if kind == "tpu":  # Everything inside tpu.replicate is compiled already.
-    return XlaPlan(True, False, False, False)
-  enabled = config.xla == "on" or (config.xla == "auto" and kind == "gpu")
-  if not enabled:
-    return XlaPlan(False, False, False, False)
-  whole = strategy.num_replicas_in_sync == 1 or kind == "gpu"
-  return XlaPlan(True, True, whole, not whole)
-
-
-class PerReplicaCompiled:
-  """`fn` compiled with XLA, one `tf.function` per replica; called in replica context.
-
-  Two TensorFlow rules shape this. A `jit_compile` tf.function handed to MirroredStrategy.run on
-  non-GPU devices is lifted around ALL replicas into one XLA program, which XLA refuses (one
-  device per program). And a tf.function traced in replica 0 captures replica 0's copies of the
-  variables, so a second replica must not reuse its trace. Hence one compiled function per
-  replica, called from the plain replica function. (On GPUs, and with a single replica, the
-  trainer hands a compiled update step to `strategy.run` directly instead.)
-  """
-
-  def __init__(self, fn):
-    self._fn = fn
-    self._compiled = {}
-
-  def __call__(self, *args):
-    ctx = tf.distribute.get_replica_context()
-    replica = 0 if ctx is None else int(tf.get_static_value(ctx.replica_id_in_sync_group))
-    if replica not in self._compiled:
-      self._compiled[replica] = tf.function(self._fn, jit_compile=True)
-    return self._compiled[replica](*args)
 
 
 def _gradcache_for(config, task, model, strategy):
@@ -162,10 +112,10 @@ class Trainer(orbit.StandardTrainer):
         self.buffers = accumulation.GradientBuffers(variables, len(self.metric_names) + extra)
     self._state = replica_state.WriteRecorder(model)
     self._sync_state = config.replica_state == "mean"
-    self.xla = xla_plan(config, strategy)
+    self.xla = xla.plan(config, strategy)
     self._micro_step_fn = self.micro_step
     if self.xla.micro_step:
-      compiled_micro_step = PerReplicaCompiled(self.micro_step)
+      compiled_micro_step = xla.PerReplicaCompiled(self.micro_step)
       self._micro_step_fn = lambda batch: compiled_micro_step(batch)  # A plain replica function.
     update_step = self.update_step if self.gradcache is None else self.gradcache_update_step
     self._update_step_fn = (tf.function(update_step, jit_compile=True)
@@ -174,11 +124,13 @@ class Trainer(orbit.StandardTrainer):
     # directly), the recorded layers' gradients come from the per-example terms' sums.
     self._gradients_from_statistics = (self.statistics.enabled and self.statistics.every == 1
                                        and not model.losses)
+    self._warned_foreign = False
+    self.gradients_from_statistics_traced = False  # Set while tracing, for tests.
     # The update step needs the statistics' recorded tensors after its all-reduce: with
     # statistics on, its local part is not a separate (compiled) function.
     self._local_sums_compiled = None
     if self.xla.local_sums and not self.statistics.enabled:
-      self._local_sums_compiled = PerReplicaCompiled(lambda batch: self.local_sums(batch)[:2])
+      self._local_sums_compiled = xla.PerReplicaCompiled(lambda batch: self.local_sums(batch)[:2])
     options = orbit.StandardTrainerOptions(use_tf_while_loop=True, use_tf_function=True)
     super().__init__(train_dataset, options=options)
     self._loop_start = None
@@ -186,7 +138,8 @@ class Trainer(orbit.StandardTrainer):
     self.restored_checkpoint = None  # Set by run.build.
 
   def checkpoint_items(self) -> dict:
-    """What a checkpoint holds: weights, model, optimizer, counters (incl. data position), loss scale.
+    """What a checkpoint holds: weights, random-layer states, model, optimizer, counters (incl.
+    the data position), loss scale.
 
     `weights` stores each model variable under the readable key
     `weights/<index in model.weights>-<variable name>/.ATTRIBUTES/VARIABLE_VALUE`, e.g.
@@ -194,7 +147,10 @@ class Trainer(orbit.StandardTrainer):
     process-wide counter (`dense`, `dense_1`, ...), so they are left out of the keys.
     """
     weights = {f"{i:03d}-{v.name}": v.value for i, v in enumerate(self.model.weights)}
-    items = dict(weights=weights, model=self.model, optimizer=self.optimizer,
+    # The random layers' generator states (not in model.weights): resumed dropout masks are
+    # the ones an uninterrupted run draws.
+    rng = {f"{i:03d}": s.value for i, s in enumerate(replica_state.seed_states(self.model))}
+    items = dict(weights=weights, rng=rng, model=self.model, optimizer=self.optimizer,
                  global_step=self.global_step,
                  micro_batches_seen=self.micro_batches_seen, skipped_updates=self.skipped_updates,
                  consecutive_skips=self.consecutive_skips)
@@ -212,7 +168,9 @@ class Trainer(orbit.StandardTrainer):
     """
     variables = self.model.trainable_variables
     with tf.GradientTape() as tape, self._state.watching(), (
-        self.statistics.recording(tape)) as recording:
+        self.statistics.recording(tape)) as recording, (
+            self.statistics.foreign_reads(recording) if self._gradients_from_statistics
+            else contextlib.nullcontext([])) as foreign:
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
                                                          training=True)
       weight_sum = tf.reduce_sum(weight)
@@ -225,8 +183,9 @@ class Trainer(orbit.StandardTrainer):
     if recording is None:
       grads = tape.gradient(objective, variables)
       grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
-    elif self._gradients_from_statistics:
+    elif self._gradients_from_statistics and not foreign:
       grads, output_grads = self._recorded_gradients(tape, objective, recording)
+      self.gradients_from_statistics_traced = True
     else:  # ONE backward pass for the update and the per-example statistics.
       grads, output_grads = tape.gradient(
           objective, (variables, recording.outputs),
@@ -241,7 +200,12 @@ class Trainer(orbit.StandardTrainer):
                    losses=loss)
     sums, context["terms"] = self.statistics.local_sums(
         context["active"], recording, output_grads, self.loss_scale, batch, loss)
-    if self._gradients_from_statistics:  # Σ_i g_i of the per-example terms IS the gradient.
+    if foreign and not self._warned_foreign:
+      self._warned_foreign = True
+      logging.warning("per-example statistics: %s read outside its layer's call (tied "
+                      "weights?): the update takes its gradient from the tape",
+                      ", ".join(sorted(set(foreign))))
+    if self._gradients_from_statistics and not foreign:  # Σ_i g_i of the terms IS the gradient.
       scale = 1.0 if self.loss_scale is None else self.loss_scale
       batch_sums = context["terms"].batch_sums
       for i in self.statistics.recorder.direct_indices:

@@ -81,3 +81,16 @@ def assign_means(variables, means) -> None:
   """Writes each mean into this replica's copy (replica context, local, no communication)."""
   for var, mean in zip(variables, means):
     var.assign(tf.cast(mean, var.dtype))
+
+
+def seed_states(model) -> list:
+  """The state variables of every Keras SeedGenerator of `model` (Dropout and friends).
+
+  Keras leaves them out of `model.weights`; the trainer checkpoints them (a resumed run draws
+  the masks the uninterrupted one would have) and gradcache sets them per micro-batch.
+  """
+  states = []
+  for layer in model._flatten_layers():  # pylint: disable=protected-access
+    for generator in getattr(layer, "_seed_generators", []):
+      states.append(generator.state)
+  return states

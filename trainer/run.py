@@ -24,22 +24,11 @@ from trainer import optimizers
 from trainer import orbit_evaluator
 from trainer import orbit_trainer
 from trainer import preemption
+from trainer import shutdown
 from trainer import strategies
 from trainer import tasks
 from trainer import validation
 from trainer import workdir as workdir_lib
-
-
-def is_chief(strategy) -> tuple[bool, int]:
-  """(whether this process writes the run's files, its worker index); eager."""
-  resolver = getattr(strategy, "cluster_resolver", None)
-  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
-    return True, 0
-  task_type, task_id = resolver.task_type, resolver.task_id or 0
-  has_chief_task = "chief" in resolver.cluster_spec().as_dict()
-  chief = task_type in (None, "chief") or (
-      task_type == "worker" and task_id == 0 and not has_chief_task)
-  return chief, task_id
 
 
 def _resume_iterator(config, strategy) -> bool:
@@ -67,8 +56,7 @@ def _eval_dataset(config, strategy, source):
   def dataset_fn(ctx):
     if isinstance(source, data.DatasetFactory):
       dataset = data.factory_eval_stream(ctx, source, config.eval_batch_size)
-      return dataset if steps == -1 else dataset.take(steps * (
-          ctx.num_replicas_in_sync // ctx.num_input_pipelines))
+      return dataset if steps == -1 else dataset.take(steps * data.local_replicas(ctx))
     return data.eval_stream(ctx, source, config.eval_batch_size, num_batches=steps)
   return strategy.distribute_datasets_from_function(dataset_fn), steps
 
@@ -85,6 +73,9 @@ def _strict_json(value):
   return clean(value)
 
 
+TRAINING_MODES = ("train", "train_and_eval")
+
+
 def build(config, workdir, task=None):
   """Builds strategy, task, trainer, evaluator and checkpoint manager; restores (eager).
 
@@ -96,6 +87,8 @@ def build(config, workdir, task=None):
     tf.config.experimental.enable_op_determinism()
   keras.utils.set_random_seed(config.seed)
   strategy = strategies.create_strategy(config)
+  if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    shutdown.reinstall()  # TF's C++ preemption notifier took SIGTERM over; take it back.
   validation.validate_replicas(config, strategy.num_replicas_in_sync)
   task = task if task is not None else tasks.create_task(config)
   train_source = data.as_source(task.train_data(), "train_data()")
@@ -106,22 +99,27 @@ def build(config, workdir, task=None):
     raise errors.ConfigError(
         f"`batch_size`={config.batch_size} gives each replica more examples than the "
         f"{num_train} of the training data; allowed: at most {num_train} per replica")
-  chief, worker_id = is_chief(strategy)
+  chief, worker_id = strategies.worker_role(strategy)
+  training = config.mode in TRAINING_MODES
   with strategy.scope():
     model = task.build_model()
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
   checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
+  checkpoints = checkpointing.checkpoint_dir(workdir)
+  if checkpointing.has_checkpoints(checkpoints):
+    workdir_lib.check_resume(config, workdir)  # Names the changed field, before any restore.
   # Before the datasets exist: they start at the restored data position. (The Controller
-  # restores the same checkpoint again on the chief; that is harmless.)
-  latest = checkpointing.restore_newest_intact(
-      checkpoint, checkpointing.checkpoint_dir(workdir), strategy, repair=chief)
+  # restores the same checkpoint again on the chief; that is harmless.) Only a training chief
+  # repairs: an evaluator beside a live trainer reads and never writes.
+  latest = checkpointing.restore_newest_intact(checkpoint, checkpoints, strategy,
+                                               repair=chief and training)
+  checkpointing.check_workers_agree(strategy, trainer.global_step)
   trainer.restored_checkpoint = latest
   if latest:
-    workdir_lib.check_resume(config, workdir)
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
-  if chief:  # Only once the workdir is known to fit this config.
+  if chief and training:  # Only once the workdir is known to fit this config.
     with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
 
@@ -135,9 +133,11 @@ def build(config, workdir, task=None):
         num_workers=num_workers, worker_id=worker_id)
     iterator = make(0)
     step = int(trainer.global_step.numpy())
+    layout = (num_workers, strategy.num_replicas_in_sync // num_workers,
+              config.batch_size // strategy.num_replicas_in_sync)
     if latest and not checkpointing.restore_data_state(iterator.checkpointable, workdir,
-                                                       worker_id, step):
-      logging.warning("no input iterator saved at update %d: skipping the %d micro-batches "
+                                                       worker_id, step, layout):
+      logging.warning("no usable input iterator of update %d: skipping the %d micro-batches "
                       "already consumed instead", step, start)
       iterator = make(start)
     trainer.train_dataset = iterator  # Orbit calls iter() on it: an iterator returns itself.
@@ -149,7 +149,8 @@ def build(config, workdir, task=None):
   manager = checkpointing.create_manager(
       checkpoint, workdir, is_chief=chief, worker_id=worker_id,
       step_counter=trainer.global_step, config=config,
-      data_iterator=None if iterator is None else iterator.checkpointable)
+      data_iterator=None if iterator is None else iterator.checkpointable,
+      data_layout=() if iterator is None else layout)
   evaluator, eval_steps = None, 0
   if eval_source is not None:
     eval_dataset, eval_steps = _eval_dataset(config, strategy, eval_source)
@@ -162,17 +163,19 @@ def run(config, workdir: str, task=None) -> dict:
   """Trains, evaluates and/or exports as `config.mode` says; returns the last outputs (eager).
 
   `task`: a `trainer.base_task.Task` instance to use instead of `config.task` (notebooks).
-  Holds the workdir lock (`trainer.workdir.Lock`) for the whole run.
+  Holds the workdir lock (`trainer.workdir.Lock`) for the whole run: training runs take the
+  workdir's (per worker); evaluators and exports, which only read checkpoints, take their own,
+  so one can run beside a live trainer.
   """
-  validation.validate(config)
   workdir_lib.check_writable(workdir)
-  with workdir_lib.Lock(workdir, strategies.task_key(config)):
+  lock = strategies.task_key(config) if config.mode in TRAINING_MODES else config.mode
+  with workdir_lib.Lock(workdir, lock):
     return _run(config, workdir, task)
 
 
 def _run(config, workdir: str, task) -> dict:
   strategy, trainer, evaluator, manager, eval_steps = build(config, workdir, task)
-  chief = is_chief(strategy)[0]
+  chief = strategies.worker_role(strategy)[0]
   if config.mode in ("eval", "continuous_eval") and evaluator is None:
     raise errors.ConfigError(f"`mode`={config.mode} but the task's eval_data() is None; "
                              "allowed: train, export")
@@ -187,9 +190,10 @@ def _run(config, workdir: str, task) -> dict:
       steps_per_loop=config.steps_per_loop, checkpoint_manager=manager,
       summary_interval=config.summary_every or None,
       summary_dir=os.path.join(summaries, "train"),
-      eval_summary_dir=os.path.join(summaries, "eval"), train_actions=[watcher])
+      eval_summary_dir=os.path.join(summaries, "eval"), train_actions=[watcher],
+      eval_actions=[watcher])  # A signal noted during an evaluation stops right after it.
   result = {}
-  training = config.mode in ("train", "train_and_eval")
+  training = config.mode in TRAINING_MODES
   with watcher.installed() if training else contextlib.nullcontext():
     try:
       if config.mode == "train" or (config.mode == "train_and_eval" and evaluator is None):
@@ -213,8 +217,9 @@ def _run(config, workdir: str, task) -> dict:
   result["global_step"] = step
   result["skipped_updates"] = int(trainer.skipped_updates.numpy())
   result = _strict_json(result)
-  if chief:
-    with tf.io.gfile.GFile(os.path.join(workdir, "result.json"), "w") as f:
+  if chief:  # An evaluator beside a trainer keeps its own result file.
+    name = "result.json" if training else f"result.{config.mode}.json"
+    with tf.io.gfile.GFile(os.path.join(workdir, name), "w") as f:
       json.dump(result, f, indent=2, allow_nan=False)
   else:
     shutil.rmtree(manager.directory, ignore_errors=True)

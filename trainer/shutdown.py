@@ -7,7 +7,10 @@
     (nothing unsaved)                   exit 42                      exit 130
     training (inside `deferred()`)      noted; the trainer writes    noted; the same, exit 130
                                         a checkpoint at the end of   (a second Ctrl-C stops at
-                                        the loop and exits 42        once)
+                                        the loop and exits 42; a     once)
+                                        repeated SIGTERM changes
+                                        nothing (ignored from the
+                                        first one on)
 
 Handlers only run Python between bytecodes in the main thread: a signal that arrives inside a
 long TensorFlow call is acted on when that call returns. The checkpoint a stop writes sits on an
@@ -19,7 +22,7 @@ import signal
 from trainer import exit_codes
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-_state = {"deferred": 0, "requested": None}
+_state = {"deferred": 0, "requested": None, "installed": False}
 
 
 class StopRequested(BaseException):
@@ -42,20 +45,35 @@ def exit_code_for(signum: int) -> int:
 
 
 def _handle(signum, frame):  # pylint: disable=unused-argument
-  if _state["deferred"] and _state["requested"] is None:
-    _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
-    return
+  if signum == signal.SIGTERM:
+    # The run is stopping now; a repeated SIGTERM (a supervisor and a VM shutdown alike) changes
+    # nothing, also while the process exits: Python restores the default action of handled
+    # signals when it finalises, and a late SIGTERM would then end it as -15 instead of 42.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+  if _state["deferred"]:
+    if _state["requested"] is None:
+      _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
+      return
+    if signum != signal.SIGINT:
+      return
   raise StopRequested(signum)
 
 
 def install() -> None:
-  """Installs the handlers for SIGTERM and SIGINT (main thread, eager, host)."""
+  """Installs the handlers for SIGTERM and SIGINT (main thread, eager, host).
+
+  Call again after building a MultiWorkerMirroredStrategy: TensorFlow's C++ preemption notifier
+  takes SIGTERM over then (while `signal.getsignal` still reports this handler).
+  """
   for signum in _SIGNALS:
     signal.signal(signum, _handle)
+  _state["installed"] = True
 
 
-def installed() -> bool:
-  return signal.getsignal(signal.SIGTERM) is _handle
+def reinstall() -> None:
+  """`install()` again if it ran before (the command line); library users keep their own."""
+  if _state["installed"]:
+    install()
 
 
 @contextlib.contextmanager
@@ -73,6 +91,3 @@ def requested():
   return _state["requested"]
 
 
-def reset() -> None:
-  """Forgets a noted signal (tests that run several trainings in one process)."""
-  _state["requested"] = None

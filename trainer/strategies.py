@@ -166,14 +166,35 @@ def device_kind(strategy) -> str:
 
 
 def task_key(config) -> str:
-  """"" for one process; "<type>_<index>" of this multi-worker task (from TF_CONFIG); eager."""
+  """"" for one process and for the chief of a multi-worker job (they write the run's files and
+  hold the workdir's main lock); "<type>_<index>" for the other workers (from TF_CONFIG)."""
   if config.strategy != "multi_worker_mirrored":
     return ""
   try:
-    task = json.loads(os.environ.get("TF_CONFIG", "{}")).get("task", {})
-  except ValueError:
+    parsed = json.loads(os.environ.get("TF_CONFIG", "{}"))
+    task, cluster = parsed.get("task", {}), parsed.get("cluster", {})
+  except (ValueError, AttributeError):
     return ""  # _multi_worker reports a bad TF_CONFIG with one line.
-  return f"{task.get('type', 'worker')}_{task.get('index', 0)}"
+  task_type, index = task.get("type", "worker"), task.get("index", 0)
+  if task_type == "chief" or (task_type == "worker" and index == 0 and "chief" not in cluster):
+    return ""
+  return f"{task_type}_{index}"
+
+
+def worker_role(strategy) -> tuple[bool, int]:
+  """(whether this process is the chief, its worker index 0..W-1 in cluster order); eager.
+
+  The index counts every worker task, the chief first (TF's `id_in_cluster`): it is this
+  worker's input pipeline id and names its input-iterator checkpoints.
+  """
+  resolver = getattr(strategy, "cluster_resolver", None)
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
+    return True, 0
+  from tensorflow.python.distribute import multi_worker_util  # pylint: disable=g-import-not-at-top
+  spec = resolver.cluster_spec()
+  task_type, task_id = resolver.task_type, resolver.task_id or 0
+  chief = multi_worker_util.is_chief(spec, task_type, task_id)
+  return chief, multi_worker_util.id_in_cluster(spec, task_type, task_id)
 
 
 def num_workers(strategy) -> int:

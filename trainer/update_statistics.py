@@ -31,6 +31,7 @@ With n > 1, the work on other updates is the recorded forward (the same arithmet
 gathered zeros; the norms run under `tf.cond` only on statistics updates.
 """
 import contextlib
+import inspect
 
 import keras
 import tensorflow as tf
@@ -38,6 +39,7 @@ import tensorflow as tf
 from trainer import base_task
 from trainer import errors
 from trainer import per_example
+from trainer.per_example import layers as per_example_layers
 
 SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
 HISTOGRAMS = ("norms", "cosines")
@@ -68,6 +70,37 @@ class UpdateStatistics:
     self._num_parameters = sum(int(v.shape.num_elements()) for v in self.recorder.variables)
 
   # --- Replica context (traced).
+  @contextlib.contextmanager
+  def foreign_reads(self, recording):
+    """Notes, while the forward is traced, reads of a recorded layer's variables made outside
+    that layer's own recorded call (weights tied through other code). Yields the list of them.
+
+    The per-example terms of such a variable miss those uses, so its update gradient must then
+    come from the tape. Patches `keras.Variable.value` for the duration of the Python call.
+    """
+    owners = {}
+    for layer, rule in self.recorder.layers:
+      for variable in per_example_layers.layer_variables(layer, rule):
+        owners.setdefault(id(variable), layer)
+    found = []
+    cls = keras.Variable
+    own = cls.__dict__.get("value")
+    prop = inspect.getattr_static(cls, "value")
+
+    def value(variable):
+      owner = owners.get(id(variable))
+      if owner is not None and not (recording.inside and recording.inside[-1] is owner):
+        found.append(variable.path)
+      return prop.fget(variable)
+    cls.value = property(value)
+    try:
+      yield found
+    finally:
+      if own is None:
+        del cls.value
+      else:
+        cls.value = own
+
   def recording(self, tape):
     """Records the forward pass for the per-example formulas (a null context when disabled)."""
     return self.recorder.record(tape) if self.enabled else contextlib.nullcontext(None)

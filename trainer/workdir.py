@@ -22,11 +22,15 @@ import tensorflow as tf
 from trainer import errors
 
 # Fields whose change reinterprets a checkpoint: the data position (`micro_batches_seen`) counts
-# micro-batches of `batch_size` examples in an order fixed by `seed`, `data.*` and the task;
-# the optimizer's slots belong to its name; an update is k micro-steps of `accumulation`.
+# micro-batches of `batch_size` examples in an order fixed by `seed`, the data's size and
+# identity and the task; the optimizer's slots belong to its name; an update is k micro-steps of
+# `accumulation`. (Moving the same files, `data.dir`, stays free.)
 RESUME_FIXED = ("task", "model", "batch_size", "seed", "mixed_precision", "optimizer.name",
                 "accumulation.steps", "accumulation.mode", "data.source", "data.path",
-                "data.shuffle")
+                "data.shuffle", "data.name", "data.image_size", "data.synthetic_train_examples",
+                "data.features_key", "data.labels_key", "text.vocab_size",
+                "text.sequence_length", "text.target_token", "text.train_examples",
+                "histogram.features", "histogram.train_examples")
 
 
 def _field(config, dotted: str):

@@ -159,6 +159,8 @@ class Recording:
     terms: {variable index: [terms.Term, ...]} (several when a layer was called several times).
     joints: [(variable indices, terms.Joint)], for layer calls whose variables are all recorded.
     batch_size: scalar tensor B of the first recorded output (None if nothing was recorded).
+    inside: the recorded layers whose calls are running now (innermost last): lets a caller
+      tell reads of a layer's variables inside its own call from reads elsewhere (tied weights).
   """
 
   def __init__(self, recorder, tape):
@@ -167,6 +169,7 @@ class Recording:
     self.terms = {i: [] for i in recorder.direct_indices}
     self.joints = []
     self.batch_size = None
+    self.inside = []
     self._tape = tape
 
   def watch(self, tensor) -> int:
@@ -219,7 +222,11 @@ class Recording:
 
 def _recording_call(layer, rule, rec):
   def call(inputs, *unused_args, **unused_kwargs):
-    return rule.call(layer, inputs, rec)
+    rec.inside.append(layer)  # Whose recorded call is running (see `Recording.inside`).
+    try:
+      return rule.call(layer, inputs, rec)
+    finally:
+      rec.inside.pop()
   return call
 
 

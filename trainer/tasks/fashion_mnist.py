@@ -23,8 +23,8 @@ _IDX_FILES = {
     "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
     "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
 }
-APT_HINT = ("install it with `sudo apt-get install dataset-fashion-mnist` (Debian/Ubuntu), or set "
-            "`data.dir`, or `data.source`=tfds|synthetic")
+APT_HINT = ("install it with `apt-get install dataset-fashion-mnist` (Debian/Ubuntu; with sudo "
+            "unless root), or set `data.dir`, or `data.source`=tfds|synthetic")
 
 
 # --------------------------------------------------------------------------- the arrays ------
