@@ -18,8 +18,9 @@ with those gradients as output gradients. `config.accumulation.mode = "gradcache
 Replica 0 alone reports L and a weight of 1, so that the all-reduced gradient, divided by the
 reduced weight, is exactly ∇L. Random layers draw the same masks in both passes: before every
 micro-batch forward, `seeded` sets each Keras SeedGenerator of the model to a state that depends
-on (config.seed, generator, update, micro-step, replica) only. Collectives per update: one all_gather (the update's
-representations and per-example fields, packed as float32) and one packed all-reduce. Memory:
+on (config.seed, generator, update, micro-step, replica) only. Collectives per update: one
+all_gather (the update's representations and per-example fields, packed as float32) and one
+packed all-reduce. Memory:
 one micro-batch's activations at a time, plus the update's inputs (kept for pass 2) and its
 representations. Traced, replica context, inside `strategy.run`.
 """
