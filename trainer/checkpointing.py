@@ -22,6 +22,8 @@ import os
 from absl import logging
 import tensorflow as tf
 
+from trainer import errors
+
 
 class _ManagerWithDataState(tf.train.CheckpointManager):
   """A CheckpointManager that saves a worker's iterator checkpoint after each main save."""
@@ -151,7 +153,6 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   `errors.ConfigError` when checkpoints exist but none reads back (nothing is overwritten) or
   when one belongs to another config.
   """
-  from trainer import errors  # pylint: disable=g-import-not-at-top
   candidates = _numbered(directory)
   skipped = []
   for number, prefix in candidates:
@@ -203,7 +204,6 @@ def check_workers_agree(strategy, global_step) -> None:
       tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([step, step * step])),
       axis=None))().numpy()
   if moments[1] - moments[0] ** 2 > 0.1:  # Integers: any disagreement gives a variance >= 0.25.
-    from trainer import errors  # pylint: disable=g-import-not-at-top
     raise errors.ConfigError(f"the workers restored different updates (this one {int(step)}, "
                              f"their mean {moments[0]:.1f}); restart all workers together")
 

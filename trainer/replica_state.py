@@ -85,6 +85,7 @@ def assign_means(variables, means) -> None:
 
 def seed_states(model) -> list:
   """The state variables of every Keras SeedGenerator of `model` (Dropout and friends).
+  Eager, at build time (the trainer and gradcache keep the list); it only walks the layers.
 
   Keras leaves them out of `model.weights`; the trainer checkpoints them (a resumed run draws
   the masks the uninterrupted one would have) and gradcache sets them per micro-batch.
