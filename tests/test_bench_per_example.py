@@ -51,3 +51,19 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
   with pytest.raises(SystemExit) as info:
     bench.plot(rows, str(tmp_path / "x.png"))
   assert str(info.value) == "--plot needs matplotlib (pip install matplotlib)"
+
+
+def test_subprocess_rows_take_memory_solo_and_times_from_the_paired_run(tmp_path):
+  # Solo runs give the memory columns and `solo_median_ms`; the paired run, one fresh process
+  # timing both methods in turn, gives `median_ms` and the ratio.
+  out = tmp_path / "rows.json"
+  assert bench.main(["--models=text_transformer", "--batch_sizes=4", "--repeats=2",
+                     "--methods=ghost_statistics,batch_gradient", f"--json={out}"]) == 0
+  rows = json.loads(out.read_text())
+  assert [r["method"] for r in rows] == ["ghost_statistics", "batch_gradient"]
+  for r in rows:
+    assert r["timing"] == "paired" and not r.get("error"), r
+    assert r["solo_median_ms"] > 0 and r["median_ms"] > 0 and r["peak_rss_mib"] > 0, r
+    assert r["rss_growth_mib"] is not None, r
+  assert rows[0]["ratio_to_batch_gradient"] == pytest.approx(
+      rows[0]["median_ms"] / rows[1]["median_ms"], abs=1e-3)

@@ -208,12 +208,32 @@ def test_general_path_variables_are_materialised_or_refused():
 
 
 def test_traced_ghost_statistics_never_forms_batch_by_parameters():
-  # No tensor in the traced graph holds B x (parameters of a ghost layer): the Embedding's
-  # [B, 1000, 32] and the head's [B, 32, 2] per-example gradients are never formed.
-  model = h.text_transformer()
-  batch = _transformer_batch(8)
-  graph = tf.function(lambda b: per_example.ghost_statistics(model, h.xent, b)
-                      ).get_concrete_function(batch).graph
-  shapes = collections.Counter(tuple(t.shape.as_list()) for op in graph.get_operations()
-                               for t in op.outputs if t.shape.rank is not None)
-  assert not [s for s in shapes if s in ((8, 1000, 32), (8, 32000), (8, 32, 2))], shapes
+  # No tensor in the traced graph holds B x (parameters of a ghost variable): with `auto` the
+  # Embedding's [B, 1000, 32] is never formed; with `ghost` no kernel's per-example gradient is.
+  # The layer sizes are chosen so that no activation or backward tensor has those shapes.
+  keras.utils.set_random_seed(0)
+  ids = keras.Input((16,), dtype="int32")
+  hidden = L.Dense(24, activation="relu")(L.Embedding(1000, 32)(ids))
+  model = keras.Model(ids, L.Dense(3)(L.GlobalAveragePooling1D()(hidden)))
+  batch = (_transformer_batch(8)[0], _labels(8, 0, 3))
+  embedding = model.layers[1].embeddings
+  kernels = [model.layers[2].kernel, model.layers[4].kernel]
+  for method, must_be_ghost in (("auto", [embedding]), ("ghost", [embedding] + kernels)):
+    recorder = per_example.Recorder(model, layer_method=method)
+    with tf.GradientTape() as tape:
+      with recorder.record(tape) as rec:
+        h.xent(model, batch)
+    ghost_vars = [recorder.variables[i] for i in rec.ghost_indices()]
+    assert all(any(v is g for g in ghost_vars) for v in must_be_ghost), (
+        method, [v.path for v in ghost_vars])
+    forbidden = ({(8, *v.shape) for v in ghost_vars}
+                 | {(8, int(np.prod(v.shape))) for v in ghost_vars})
+    graph = tf.function(lambda b, m=method: per_example.ghost_statistics(
+        model, h.xent, b, layer_method=m)).get_concrete_function(batch).graph
+    shapes = {tuple(t.shape.as_list()) for op in graph.get_operations() for t in op.outputs
+              if t.shape.rank is not None}
+    assert not forbidden & shapes, (method, forbidden & shapes)
+    stats = per_example.ghost_statistics(model, h.xent, batch, layer_method=method)
+    _assert_stats_equal(stats, _oracle(model, batch), method)
+
+

@@ -17,12 +17,13 @@ Methods (all on the same model and batch):
                     one batch (norms, dots with the batch gradient, ...) without [B, P]
   batch_gradient    traced gradient of the mean loss (the reference cost)
 
-Each (model, method, batch size) runs in its own subprocess, eagerly driving traced functions on
-the host: 2 warm-up calls, then the median (and min) wall time of `repeats` calls;
-`ratio_to_batch_gradient` divides medians of the same model and batch size. `--in_process`
-instead builds all methods of a (model, batch size) in this process and times them in turn,
-one call each per round: no memory columns, but load changes on a shared machine hit every
-method alike, so its ratios are the steadier ones there.
+Each (model, method, batch size) first runs in its own subprocess, eagerly driving traced
+functions on the host: 2 warm-up calls, then `repeats` timed calls (`solo_median_ms`) and the
+memory columns. Then the methods that ran are timed again together, in one fresh subprocess per
+(model, batch size): each is built and warmed up, then one call of each in turn per round, so
+that load changes on a shared machine hit every method alike. `median_ms`, `min_ms` and
+`ratio_to_batch_gradient` (medians of the same model and batch size) come from that paired run.
+`--in_process` does the paired timing in this process and skips the memory runs.
 A subprocess that dies (e.g. pfor through MultiHeadAttention with oneDNN on: SIGSEGV) gives a
 row with `error` set instead of times.
 Memory: `peak_rss_mib` is the subprocess' ru_maxrss; `rss_growth_mib` is that peak minus the
@@ -72,6 +73,8 @@ def _parse(argv):
                  help="time the methods in turn in this process (steadier ratios on a loaded "
                       "machine; no per-method memory)")
   p.add_argument("--_worker", nargs=4, metavar=("MODEL", "METHOD", "BATCH", "REPEATS"),
+                 help=argparse.SUPPRESS)
+  p.add_argument("--_paired", nargs=4, metavar=("MODEL", "METHODS", "BATCH", "REPEATS"),
                  help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   try:
@@ -240,17 +243,46 @@ def _run_worker(model, method, batch_size, repeats):
             "error": first}
 
 
+def _run_paired(model, methods, batch_size, repeats):
+  """`measure_interleaved` in a fresh subprocess; {method: row}, or {} if it died."""
+  cmd = [sys.executable, "-m", "trainer.bench", "per_example", "--_paired", model,
+         ",".join(methods), str(batch_size), ",".join(str(repeats[m]) for m in methods)]
+  try:
+    found = bench_util.run_row(cmd, f"bench paired timing {model} B={batch_size}",
+                               timeout_s=1800)
+  except RuntimeError as e:
+    print(f"  {str(e).splitlines()[0].rstrip(':')}; keeping the solo times", file=sys.stderr,
+          flush=True)
+    return {}
+  return {r["method"]: r for r in found["rows"]}
+
+
+def _measure_case(model, methods, batch_size, repeats):
+  """Rows of one (model, batch size): memory from solo runs, times from the paired run."""
+  rows = [_run_worker(model, m, batch_size, repeats[m]) for m in methods]
+  alive = [r["method"] for r in rows if not r.get("error")]
+  paired = _run_paired(model, alive, batch_size, repeats) if len(alive) > 1 else {}
+  for row in rows:
+    row["solo_median_ms"] = row["median_ms"]
+    if row["method"] in paired:
+      row.update(median_ms=paired[row["method"]]["median_ms"],
+                 min_ms=paired[row["method"]]["min_ms"])
+    row["timing"] = "paired" if row["method"] in paired else "solo"
+  return rows
+
+
 def _num(value, width, digits):
   return f"{float('nan') if value is None else value:>{width}.{digits}f}"
 
 
 def _table(rows):
   head = (f"{'model':<18}{'method':<18}{'batch':>6}{'median_ms':>11}{'min_ms':>9}{'x batch':>9}"
-          f"{'peak_MiB':>10}{'growth_MiB':>12}{'repeats':>9}")
+          f"{'solo_ms':>9}{'peak_MiB':>10}{'growth_MiB':>12}{'repeats':>9}")
   out = [head, "-" * len(head)]
   for r in rows:
     line = (f"{r['model']:<18}{r['method']:<18}{r['batch_size']:>6}{_num(r['median_ms'], 11, 1)}"
             f"{_num(r['min_ms'], 9, 1)}{_num(r['ratio_to_batch_gradient'], 9, 2)}"
+            f"{_num(r.get('solo_median_ms'), 9, 1)}"
             f"{_num(r.get('peak_rss_mib'), 10, 0)}{_num(r.get('rss_growth_mib'), 12, 0)}"
             f"{r['repeats']:>9}")
     out.append(line + (f"  {r['error']}" if r.get("error") else ""))
@@ -300,6 +332,12 @@ def main(argv) -> int:
     model, method, batch, repeats = args._worker  # pylint: disable=protected-access
     bench_util.print_row(measure(model, method, int(batch), int(repeats)))
     return 0
+  if args._paired:  # pylint: disable=protected-access
+    model, methods, batch, repeats = args._paired  # pylint: disable=protected-access
+    methods = methods.split(",")
+    counts = dict(zip(methods, (int(r) for r in repeats.split(","))))
+    bench_util.print_row({"rows": measure_interleaved(model, methods, int(batch), counts)})
+    return 0
   rows = []
   for model in args.models:
     for batch_size in args.batch_sizes:
@@ -309,7 +347,7 @@ def main(argv) -> int:
       if args.in_process:
         found = measure_interleaved(model, methods, batch_size, repeats)
       else:
-        found = [_run_worker(model, m, batch_size, repeats[m]) for m in methods]
+        found = _measure_case(model, methods, batch_size, repeats)
       for row in found:
         print(f"  {model} {row['method']} B={batch_size}: {_num(row['median_ms'], 0, 1)} ms",
               file=sys.stderr, flush=True)

@@ -22,9 +22,11 @@ the Gram trick, <a_i a_i^T, b_i b_i^T> (T^2 (K + O) multiply-adds, nothing kept;
 |a_i|^2 |b_i|^2). `costs` carries both estimates so the caller can choose.
 
 A `Joint` covers several variables of one layer call at once (kernel and bias, gamma and beta):
-its pieces are the concatenation of their flattened per-example gradients, e.g. the kernel
-product with a column of ones appended to the input, whose extra row is the bias gradient. One
-matmul then gives both, and the statistics reduce them together.
+its pieces, concatenated, are their flattened per-example gradients in layout order, e.g. the
+kernel's outer products, then the bias' sum over positions. The statistics reduce the pieces of
+a group together. (Appending a column of ones to the input, so that one matmul yields the bias
+row too, was dropped: the odd inner size K + 1 made oneDNN's batched matmul and the copy cost
+more than the separate sum, 0.3 ms of 3.4 ms on the text Transformer at B = 128.)
 """
 import dataclasses
 from typing import Callable
@@ -172,11 +174,6 @@ def outer_products(a, b, steps):
   return tf.matmul(a, b, transpose_a=True)
 
 
-def with_ones(a):
-  """[B, T, K] -> [B, T, K + 1], a column of ones appended (its product row: sum_t b_t)."""
-  return tf.concat([a, tf.ones_like(a[..., :1])], axis=-1)
-
-
 def dense_like(rec, index, kernel, bias, a_of, dz_rows, sizes, forward, batch):
   """Registers the kernel's outer-product term, the bias term and their joint.
 
@@ -193,8 +190,10 @@ def dense_like(rec, index, kernel, bias, a_of, dz_rows, sizes, forward, batch):
     return
   rec.add(bias, Term(index, lambda dz: rows(tf.reduce_sum(dz_rows(dz), axis=1), list(bias.shape))))
 
-  def joint(dz):  # [x, 1]^T dz: the kernel rows, then the bias row.
-    yield flat(outer_products(with_ones(a_of()), dz_rows(dz), steps))
+  def joint(dz):  # The kernel's rows, then the bias row (two pieces: see `Joint`).
+    b = dz_rows(dz)
+    yield flat(outer_products(a_of(), b, steps))
+    yield tf.reduce_sum(b, axis=1)
   rec.add_joint(Joint((kernel, bias), index, joint))
 
 
