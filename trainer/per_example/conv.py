@@ -35,7 +35,7 @@ ops = keras.ops
 # Up to this many input channels one matmul over all patches wins; above it, one batched matmul
 # per kernel tap does (small CNN, B=128: Cin=1 1.9 vs 3.3 ms, Cin=32 9.3 vs 12.5 ms; measured
 # with stacked tap slices, which `_unfolded_by_conv` has since replaced).
-STACKED_MAX_CHANNELS = 4
+ONE_PIECE_MAX_CHANNELS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +107,7 @@ def filter_grad_blocks(inputs, out_grads, geom):
   out_sizes = spatial_sizes(out_grads)
   steps = positions(out_grads)
   g3 = terms.rows(out_grads, [steps, filters])
-  if channels <= STACKED_MAX_CHANNELS:
+  if channels <= ONE_PIECE_MAX_CHANNELS:
     taps = math.prod(geom.kernel_size)
     patches = terms.rows(_unfolded_by_conv(inputs, geom, out_sizes), [steps, taps * channels])
     g = tf.matmul(patches, g3, transpose_a=True)
