@@ -190,3 +190,47 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint(tmp_path):
   assert len(steps) == 1, steps  # Both saved the same update.
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   assert latest.endswith(f"ckpt-{steps.pop()}")
+
+
+def _run_pair(workdirs, ports, *extra, timeout_s=150):
+  """Runs two CLI workers (worker i in workdirs[i]) to their end; returns (codes, stderrs)."""
+  procs, logs = [], []
+  for i, workdir in enumerate(workdirs):
+    log = open(os.path.join(workdir, f"worker{i}.log"), "w+")  # pylint: disable=consider-using-with
+    logs.append(log)
+    procs.append(subprocess.Popen(_trainer_cmd(workdir, i, ports, *extra, timeout_s=timeout_s),
+                                  cwd=REPO, env=_worker_env(i, ports), stdout=subprocess.DEVNULL,
+                                  stderr=log))
+  try:
+    for p in procs:
+      p.wait(timeout=timeout_s + 15)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()  # Only the PIDs this test started.
+        p.wait(timeout=30)
+  errs = []
+  for log in logs:
+    log.seek(0)
+    errs.append(log.read())
+    log.close()
+  return [p.returncode for p in procs], errs
+
+
+def test_workers_that_restored_different_updates_refuse_to_train(tmp_path):
+  # Worker 0's workdir holds a checkpoint at update 5; worker 1's (another machine, no shared
+  # storage) holds none. Before the check, worker 0's restore broadcast met nothing on worker 1
+  # and both crashed (exit 74 and 1, a collective type mismatch); now both exit 2 before any
+  # restore, naming the cause.
+  from trainer import exit_codes  # pylint: disable=g-import-not-at-top
+  shared = tmp_path / "shared"
+  shared.mkdir()
+  codes, errs = _run_pair([shared, shared], free_ports(2), "--config.train_steps=5")
+  assert codes == [0, 0], errs[0][-1500:] + errs[1][-1500:]
+  alone = tmp_path / "alone"
+  alone.mkdir()
+  codes, errs = _run_pair([shared, alone], free_ports(2), "--config.train_steps=10")
+  assert codes == [exit_codes.BAD_INPUT_EXIT_CODE] * 2, errs[0][-1500:] + errs[1][-1500:]
+  for err, step in zip(errs, (5, 0)):
+    assert ("the workers disagree on the newest checkpoint in their workdirs (this one "
+            f"{step}, their mean 2.5)") in err, err[-1500:]

@@ -191,21 +191,31 @@ def has_checkpoints(directory: str) -> bool:
   return bool(_numbered(directory))
 
 
-def check_workers_agree(strategy, global_step) -> None:
-  """Multi-worker: every worker must have restored the same update (eager, one collective).
+def newest_number(directory: str) -> int:
+  """The update number of the newest `ckpt-N` index file in `directory`; 0 when none."""
+  found = _numbered(directory)
+  return found[0][0] if found else 0
 
-  A worker whose read failed differently (a file seen damaged by one and not another) would
-  otherwise train out of step without any error.
+
+def check_workers_agree(strategy, number: int, what: str) -> None:
+  """Multi-worker: every worker must hold the same `number` (eager, one collective on all).
+
+  `what` names it in the error: e.g. the newest checkpoint each worker sees (checked BEFORE any
+  restore: under MultiWorkerMirroredStrategy a restore broadcasts from worker 0, so a worker that
+  has no checkpoint to restore would leave the others' collectives unmatched and crash), or the
+  update each restored (checked after: a file seen damaged by one worker and not another would
+  otherwise put them out of step without any error). Raises `errors.ConfigError`.
   """
   if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
     return
-  step = tf.cast(global_step.read_value(), tf.float64)
+  value = tf.constant(float(number), tf.float64)
   moments = tf.function(lambda: strategy.reduce(   # Every worker gets the same answer.
-      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([step, step * step])),
+      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([value, value * value])),
       axis=None))().numpy()
   if moments[1] - moments[0] ** 2 > 0.1:  # Integers: any disagreement gives a variance >= 0.25.
-    raise errors.ConfigError(f"the workers restored different updates (this one {int(step)}, "
-                             f"their mean {moments[0]:.1f}); restart all workers together")
+    raise errors.ConfigError(
+        f"the workers disagree on {what} (this one {int(number)}, their mean "
+        f"{moments[0]:.1f}); give every worker the same workdir files and restart them together")
 
 
 def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:

@@ -108,6 +108,10 @@ def build(config, workdir, task=None):
                                   optimizer=optimizer, train_dataset=None)
   checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
   checkpoints = checkpointing.checkpoint_dir(workdir)
+  # Multi-worker: the same newest checkpoint on every worker before any restore (a restore
+  # broadcasts from worker 0), and the same restored update after it.
+  checkpointing.check_workers_agree(strategy, checkpointing.newest_number(checkpoints),
+                                    "the newest checkpoint in their workdirs")
   if checkpointing.has_checkpoints(checkpoints):
     workdir_lib.check_resume(config, workdir)  # Names the changed field, before any restore.
   # Before the datasets exist: they start at the restored data position. (The Controller
@@ -115,7 +119,8 @@ def build(config, workdir, task=None):
   # repairs: an evaluator beside a live trainer reads and never writes.
   latest = checkpointing.restore_newest_intact(checkpoint, checkpoints, strategy,
                                                repair=chief and training)
-  checkpointing.check_workers_agree(strategy, trainer.global_step)
+  checkpointing.check_workers_agree(strategy, int(trainer.global_step.numpy()),
+                                    "the update they restored")
   trainer.restored_checkpoint = latest
   if latest:
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
