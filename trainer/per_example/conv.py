@@ -95,43 +95,56 @@ def unfold(x, geom, out_sizes):
   return terms.rows(cols, [positions(cols), math.prod(geom.kernel_size) * x.shape[-1]])
 
 
-def filter_grad_blocks(inputs, out_grads, geom):
+def filter_grad_blocks(inputs, out_grads, geom, bias_row=False):
   """Per-example sum_p patches(inputs)_p^T out_grads_p (channels_last), as row-major pieces.
 
   Yields [B, n] float32 pieces: with few input channels one piece [B, taps * C * O] (one matmul
   over all patches, see `_unfolded_by_conv`), else one [B, C * O] piece per kernel tap (one
   batched matmul each). A generator: each tap's slice is taken when the consumer asks for it,
   inside the consumer's control dependencies, so a consumer can bound how many taps are alive.
+  With `bias_row` (only with few channels, see `one_piece`), the piece has O more columns at
+  its end: sum_p out_grads_p, the bias gradient, from a patch channel of ones in the same matmul.
   """
   channels, filters = inputs.shape[-1], out_grads.shape[-1]
   out_sizes = spatial_sizes(out_grads)
   steps = positions(out_grads)
   g3 = terms.rows(out_grads, [steps, filters])
-  if channels <= ONE_PIECE_MAX_CHANNELS:
-    taps = math.prod(geom.kernel_size)
-    patches = terms.rows(_unfolded_by_conv(inputs, geom, out_sizes), [steps, taps * channels])
-    g = tf.matmul(patches, g3, transpose_a=True)
-    yield terms.rows(g, [taps * channels * filters])
+  if one_piece(inputs):
+    width = math.prod(geom.kernel_size) * channels + int(bias_row)
+    patches = _unfolded_by_conv(inputs, geom, out_sizes, bias_row)
+    g = tf.matmul(terms.rows(patches, [steps, width]), g3, transpose_a=True)
+    yield terms.rows(g, [width * filters])
     return
+  if bias_row:
+    raise ValueError("filter_grad_blocks: bias_row needs few input channels (see one_piece)")
   for tap in shifted(inputs, geom, out_sizes):
     product = tf.matmul(terms.rows(tap, [steps, channels]), g3, transpose_a=True)
     yield terms.rows(product, [channels * filters])
 
 
-def _unfolded_by_conv(x, geom, out_sizes):
+def one_piece(inputs) -> bool:
+  """Whether `filter_grad_blocks` makes one piece (few input channels) rather than one per tap."""
+  return inputs.shape[-1] <= ONE_PIECE_MAX_CHANNELS
+
+
+def _unfolded_by_conv(x, geom, out_sizes, ones_channel=False):
   """The unfolded input [B, *out_sizes, taps * C] in (tap, channel) order, as ONE convolution
   of x with a 0/1 kernel that copies each tap's channel to its own output channel (exact: every
   output is one input times 1). No per-tap slices exist at once, unlike stacking them (small
   CNN, B=512: 16 MiB less peak memory for the first Conv2D). The geometry is the layer's own,
-  which TF's convolution took in the forward pass.
+  which TF's convolution took in the forward pass. `ones_channel` appends a channel of ones
+  (zero kernel, bias 1).
   """
   channels, taps = x.shape[-1], math.prod(geom.kernel_size)
-  copy = np.zeros(list(geom.kernel_size) + [channels, taps * channels], np.float32)
+  width = taps * channels + int(ones_channel)
+  copy = np.zeros(list(geom.kernel_size) + [channels, width], np.float32)
   for t, tap in enumerate(itertools.product(*[range(k) for k in geom.kernel_size])):
     for c in range(channels):
       copy[tap + (c, t * channels + c)] = 1.0
   out = tf.nn.convolution(tf.cast(x, tf.float32), tf.constant(copy), strides=list(geom.strides),
                           padding=geom.padding.upper(), dilations=list(geom.dilation))
+  if ones_channel:
+    out = tf.nn.bias_add(out, tf.constant([0.0] * (width - 1) + [1.0]))
   static = [d for d in out_sizes if isinstance(d, int)]
   if len(static) == len(out_sizes) and out.shape[1:-1].as_list() != static:
     raise ValueError(f"per_example: unfolding a {geom} convolution gave positions "
@@ -176,6 +189,9 @@ def _kernel_terms(layer, rec, index, x, geom, forward, sizes, transposed=False):
                                    blocks, x.shape[0]))
   if layer.use_bias:
     def joint(dz):
+      if not transposed and one_piece(x):  # The bias row from the same matmul.
+        yield from filter_grad_blocks(x, dz, geom, bias_row=True)
+        return
       yield from blocks(dz)
       yield tf.reduce_sum(dz, axis=list(range(1, dz.shape.rank - 1)))
     rec.add_joint(terms.Joint((kernel, layer.bias), index, joint))

@@ -150,8 +150,10 @@ def _spans(widths, start, size):
 
 class PiecesGroup:
   """Variables whose per-example gradients come as row-major [B, n] pieces (`Term.blocks`,
-  `Joint.pieces`), reduced one piece at a time: each piece is created after the previous one is
-  reduced, so that one kernel tap at a time is alive."""
+  `Joint.pieces`), reduced as they come: piece k is created once piece k - 2 is reduced, so that
+  at most two (e.g. two kernel taps) are alive, and one is reduced while the next is computed.
+  (One at a time left both CPU cores idle between them: on the small CNN's 9 taps of
+  [128, 32, 64], 5.6 ms against 4.6 ms, for ~3 MiB.)"""
 
   def __init__(self, indices, pieces, variables):
     self.indices = tuple(indices)
@@ -169,9 +171,9 @@ class PiecesGroup:
     Transformer's layers: 0.34 ms against 1.13 ms), and it needs fewer ops.
     """
     parts, sums, dots, kept = {}, [], [], []
-    iterator, start, done = iter(self._pieces), 0, []
+    iterator, start, done, previous = iter(self._pieces), 0, [], []
     while True:
-      with tf.control_dependencies(done):
+      with tf.control_dependencies(previous):  # Piece k - 2's reductions.
         piece = next(iterator, None)
       if piece is None:
         return parts, sums, dots, kept
@@ -183,7 +185,7 @@ class PiecesGroup:
       for (index, _), column in zip(spans, columns):
         parts.setdefault(index, []).append(column)
       sums.append(_column_sum(piece))
-      done = [norms, sums[-1]]
+      previous, done = done, [norms, sums[-1]]
       if self_dots:
         dots.append(_dots_with(piece, sums[-1]))
         done.append(dots[-1])
