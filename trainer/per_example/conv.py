@@ -69,23 +69,22 @@ def shifted(x, geom, out_sizes):
 
   Each slice is [B, *out_sizes, C].
   """
-  first = 1
   rank = len(geom.kernel_size)
   if geom.padding == "same":
     pads = [[0, 0] for _ in range(rank + 2)]
     for d in range(rank):
-      size = x.shape[first + d] if x.shape[first + d] is not None else tf.shape(x)[first + d]
+      size = x.shape[1 + d] if x.shape[1 + d] is not None else tf.shape(x)[1 + d]
       k, s, r, o = geom.kernel_size[d], geom.strides[d], geom.dilation[d], out_sizes[d]
       total = (o - 1) * s + (k - 1) * r + 1 - size
       total = max(total, 0) if isinstance(total, int) else tf.maximum(total, 0)
-      pads[first + d] = [total // 2, total - total // 2]
+      pads[1 + d] = [total // 2, total - total // 2]
     x = tf.pad(x, pads)
   for tap in itertools.product(*[range(k) for k in geom.kernel_size]):
     index = [slice(None)] * (rank + 2)
     for d, j in enumerate(tap):
       start = j * geom.dilation[d]
-      index[first + d] = slice(start, start + (out_sizes[d] - 1) * geom.strides[d] + 1,
-                               geom.strides[d])
+      index[1 + d] = slice(start, start + (out_sizes[d] - 1) * geom.strides[d] + 1,
+                           geom.strides[d])
     yield x[tuple(index)]
 
 
