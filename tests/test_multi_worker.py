@@ -146,6 +146,32 @@ def training_workers(tmp_path):
       log.close()
 
 
+def _run_pair(workdirs, ports, *extra, timeout_s=150, name="worker"):
+  """Runs two CLI workers (worker i in workdirs[i], stderr in `<name><i>.log` there) to their
+  end; returns (exit codes, stderrs)."""
+  procs, logs = [], []
+  for i, workdir in enumerate(workdirs):
+    log = open(os.path.join(workdir, f"{name}{i}.log"), "w+")  # pylint: disable=consider-using-with
+    logs.append(log)
+    procs.append(subprocess.Popen(_trainer_cmd(workdir, i, ports, *extra, timeout_s=timeout_s),
+                                  cwd=REPO, env=_worker_env(i, ports), stdout=subprocess.DEVNULL,
+                                  stderr=log))
+  try:
+    for p in procs:
+      p.wait(timeout=timeout_s + 15)
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()  # Only the PIDs this test started.
+        p.wait(timeout=30)
+  errs = []
+  for log in logs:
+    log.seek(0)
+    errs.append(log.read())
+    log.close()
+  return [p.returncode for p in procs], errs
+
+
 def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from trainer import exit_codes  # pylint: disable=g-import-not-at-top
@@ -159,17 +185,9 @@ def test_killed_worker_stops_the_survivor_and_both_resume(tmp_path):
     assert time.time() - killed_at < 15 + 10
     assert "multi-worker peer stopped answering" in err
   step = int(tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).rsplit("-", 1)[1])
-  ports = free_ports(2)
-  logs = [tmp_path / f"restart{i}.log" for i in range(2)]
-  with open(logs[0], "w") as log0, open(logs[1], "w") as log1:
-    restarted = [subprocess.Popen(
-        _trainer_cmd(tmp_path, i, ports, f"--config.train_steps={step + 5}"), cwd=REPO,
-        env=_worker_env(i, ports), stdout=subprocess.DEVNULL, stderr=log)
-                 for i, log in enumerate((log0, log1))]
-    for p in restarted:
-      p.wait(timeout=150)
-  errs = [log.read_text() for log in logs]
-  assert [p.returncode for p in restarted] == [0, 0], errs[0][-1500:] + errs[1][-1500:]
+  codes, errs = _run_pair([tmp_path, tmp_path], free_ports(2), f"--config.train_steps={step + 5}",
+                          timeout_s=120, name="restart")
+  assert codes == [0, 0], errs[0][-1500:] + errs[1][-1500:]
   assert f"at update {step}" in errs[0]
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith(f"ckpt-{step + 5}")
 
@@ -190,31 +208,6 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint(tmp_path):
   assert len(steps) == 1, steps  # Both saved the same update.
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   assert latest.endswith(f"ckpt-{steps.pop()}")
-
-
-def _run_pair(workdirs, ports, *extra, timeout_s=150):
-  """Runs two CLI workers (worker i in workdirs[i]) to their end; returns (codes, stderrs)."""
-  procs, logs = [], []
-  for i, workdir in enumerate(workdirs):
-    log = open(os.path.join(workdir, f"worker{i}.log"), "w+")  # pylint: disable=consider-using-with
-    logs.append(log)
-    procs.append(subprocess.Popen(_trainer_cmd(workdir, i, ports, *extra, timeout_s=timeout_s),
-                                  cwd=REPO, env=_worker_env(i, ports), stdout=subprocess.DEVNULL,
-                                  stderr=log))
-  try:
-    for p in procs:
-      p.wait(timeout=timeout_s + 15)
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()  # Only the PIDs this test started.
-        p.wait(timeout=30)
-  errs = []
-  for log in logs:
-    log.seek(0)
-    errs.append(log.read())
-    log.close()
-  return [p.returncode for p in procs], errs
 
 
 def test_workers_that_restored_different_updates_refuse_to_train(tmp_path):

@@ -188,12 +188,12 @@ def dense_like(rec, index, kernel, bias, a_of, dz_rows, sizes, forward, batch):
   rec.add(kernel, outer_term(index, pair, kernel.shape, forward, sizes, batch=batch))
   if bias is None:
     return
-  rec.add(bias, Term(index, lambda dz: rows(tf.reduce_sum(dz_rows(dz), axis=1), list(bias.shape))))
+  bias_term = Term(index, lambda dz: rows(tf.reduce_sum(dz_rows(dz), axis=1), list(bias.shape)))
+  rec.add(bias, bias_term)
 
   def joint(dz):  # The kernel's rows, then the bias row (two pieces: see `Joint`).
-    b = dz_rows(dz)
-    yield flat(outer_products(a_of(), b, steps))
-    yield tf.reduce_sum(b, axis=1)
+    yield flat(outer_products(a_of(), dz_rows(dz), steps))
+    yield flat(bias_term.grads(dz))
   rec.add_joint(Joint((kernel, bias), index, joint))
 
 
