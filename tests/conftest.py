@@ -1,11 +1,17 @@
-"""Test-wide setup: split the CPU into two logical devices before any TF op runs.
+"""Test-wide setup, at import time, before TensorFlow is imported or any TF op runs.
 
-Multi-replica tests (MirroredStrategy over 2 logical CPUs) need the split, and it can only happen
-once, before TensorFlow initialises its devices, so it lives here at import time.
+* oneDNN on: TensorFlow 2.20 turns its oneDNN kernels on by default only on x86 CPUs with
+  AVX-512 class features (e.g. AMD Zen 4, Intel Cascade Lake and newer); on AVX2-only CPUs
+  (e.g. AMD Zen 3) its default is off. Users on the newer CPUs get oneDNN, and with it the
+  pfor crash through MultiHeadAttention that the per-example code must survive, so the suite
+  runs with oneDNN on whatever the CI host is. Subprocesses inherit the setting.
+* Multi-replica tests (MirroredStrategy over 2 logical CPUs) need the CPU split into two logical
+  devices, which can only happen once, before TensorFlow initialises its devices.
 """
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1"
 
 import tensorflow as tf  # pylint: disable=g-import-not-at-top
 

@@ -36,12 +36,19 @@ def test_in_process_rows_have_model_and_ratio_and_plot(tmp_path, capsys):
       ("text_transformer", "ghost_statistics"), ("text_transformer", "batch_gradient")]
   for r in rows:
     assert r["median_ms"] > 0 and r["batch_size"] == 4
+    assert r["onednn"] is True, r  # tests/conftest.py turns oneDNN on whatever the CPU.
     assert r["ratio_to_batch_gradient"] == pytest.approx(
         r["median_ms"] / next(b["median_ms"] for b in rows
                               if b["model"] == r["model"] and b["method"] == "batch_gradient"),
         abs=1e-3)
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert "text_transformer  ghost_statistics" in capsys.readouterr().out
+
+
+def test_onednn_choice_in_process_after_tensorflow_import_is_refused():
+  with pytest.raises(SystemExit) as info:
+    bench.main(["--onednn=off", "--in_process", "--models=small_cnn", "--batch_sizes=2"])
+  assert "needs a fresh process" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
@@ -53,16 +60,20 @@ def test_plot_without_matplotlib_is_one_line(tmp_path, monkeypatch):
   assert str(info.value) == "--plot needs matplotlib (pip install matplotlib)"
 
 
-def test_subprocess_rows_take_memory_solo_and_times_from_the_paired_run(tmp_path):
+@pytest.mark.parametrize("onednn", ["off", "on"])
+def test_subprocess_rows_take_memory_solo_and_times_from_the_paired_run(tmp_path, onednn):
   # Solo runs give the memory columns and `solo_median_ms`; the paired run, one fresh process
-  # timing both methods in turn, gives `median_ms` and the ratio.
+  # timing both methods in turn, gives `median_ms` and the ratio. `--onednn` reaches both, and
+  # each row says what its measuring process ran with.
   out = tmp_path / "rows.json"
   assert bench.main(["--models=text_transformer", "--batch_sizes=4", "--repeats=2",
-                     "--methods=ghost_statistics,batch_gradient", f"--json={out}"]) == 0
+                     "--methods=ghost_statistics,batch_gradient", f"--json={out}",
+                     f"--onednn={onednn}"]) == 0
   rows = json.loads(out.read_text())
   assert [r["method"] for r in rows] == ["ghost_statistics", "batch_gradient"]
   for r in rows:
     assert r["timing"] == "paired" and not r.get("error"), r
+    assert r["onednn"] is (onednn == "on") and r["cpu"], r
     assert r["solo_median_ms"] > 0 and r["median_ms"] > 0 and r["peak_rss_mib"] > 0, r
     assert r["rss_growth_mib"] is not None, r
   assert rows[0]["ratio_to_batch_gradient"] == pytest.approx(

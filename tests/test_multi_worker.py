@@ -69,16 +69,25 @@ def test_two_workers_equal_the_large_batch(tmp_path, opt):
 
 
 def test_two_workers_gradcache_equals_the_large_batch(tmp_path):
-  """InfoNCE over the whole update of 2 real workers: one all_gather, one all-reduce, exact."""
+  """InfoNCE over the whole update of 2 real workers: one all_gather, one all-reduce, exact.
+
+  Momentum SGD, whose update is linear in the gradient: the float32 rounding of the two
+  workers' reduction order stays at rounding level (1.5e-8 in the weights). With AdamW at
+  lr 0.01 an AVX2 CPU (AMD Zen 3) read 2.2e-6: the gradients agree to ~1e-6 relative, and
+  Adam's m / sqrt(v) enlarges that where successive gradients of a coordinate nearly cancel.
+  Adam's slots across workers are checked by `test_two_workers_equal_the_large_batch[adamw]`;
+  the optimizer step is the same code in both accumulation modes.
+  """
   k = 4
-  results = run_workers(tmp_path, k, "adamw", batch_task="contrastive_pairs")
+  results = run_workers(tmp_path, k, "sgd_momentum", batch_task="contrastive_pairs")
   for name in ("weights", "slots"):
     for a, b in zip(results[0][name], results[1][name]):
       assert np.array_equal(a, b), f"workers disagree on {name}"
   config = helpers.tiny_config(**dict(
       {"accumulation.steps": k, "optimizer.global_clipnorm": 0.3, "optimizer.warmup_steps": 2,
        "optimizer.decay": "cosine", "task": "contrastive_pairs", "accumulation.mode": "gradcache",
-       "triplet.embedding_dim": 8}, **__import__("test_accumulation").OPTIMIZERS["adamw"]))
+       "triplet.embedding_dim": 8},
+      **__import__("test_accumulation").OPTIMIZERS["sgd_momentum"]))
   ref_weights, ref_slots = helpers.reference_run(config, list(results[0]["initial"]),
                                                  helpers.update_batches(config, 3))
   assert helpers.max_abs_diff(list(results[0]["weights"]), ref_weights) <= 1e-6

@@ -162,8 +162,9 @@ def test_conv_mix_direct_matches_loop_and_sums_to_batch_gradient(size):
 
 def test_transformer_b64_default_path_and_loop_path_survive_onednn_in_subprocess():
   # The old general path killed the process here (SIGSEGV, exit 139 / -11): run it apart.
-  env = {k: v for k, v in os.environ.items() if k != "TF_ENABLE_ONEDNN_OPTS"}
-  env.update(TF_CPP_MIN_LOG_LEVEL="0", PYTHONPATH=os.path.dirname(HERE))
+  # oneDNN on, as TF's default on AVX-512 CPUs (set here too, whatever the host's default).
+  env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="0",
+             PYTHONPATH=os.path.dirname(HERE))
   done = subprocess.run([sys.executable, os.path.join(HERE, "per_example_worker.py")],
                         capture_output=True, text=True, env=env, timeout=600, check=False)
   assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"

@@ -1,7 +1,8 @@
 """Per-example gradient and statistics benchmark on two models with random data.
 
 `python -m trainer.bench per_example [--models=small_cnn,text_transformer]
-    [--batch_sizes=32,128,256] [--methods=...] [--json FILE] [--plot FILE.png] [--repeats N]`
+    [--batch_sizes=32,128,256] [--methods=...] [--json FILE] [--plot FILE.png] [--repeats N]
+    [--onednn=default|on|off]`
 
 Models:
   small_cnn         Conv32-Pool-Conv64-Pool-Dense128-Dense10 on 28x28x1 (189k parameters)
@@ -28,6 +29,10 @@ A subprocess that dies (e.g. pfor through MultiHeadAttention with oneDNN on: SIG
 row with `error` set instead of times.
 Memory: `peak_rss_mib` is the subprocess' ru_maxrss; `rss_growth_mib` is that peak minus the
 RSS measured after the model and data were built and before the method's first call.
+Every row records `cpu` and `onednn` (whether TensorFlow's oneDNN kernels were on in the
+measuring process): TF 2.20 turns them on by default only on AVX-512 class x86 CPUs, and the
+ratios differ between the two (docs/benchmarks.md). `--onednn=on|off` sets TF_ENABLE_ONEDNN_OPTS
+for the measurement processes; `default` leaves TensorFlow's choice.
 `--plot FILE` draws median time / batch_gradient against B, one line per method, one panel per
 model (needs matplotlib).
 """
@@ -72,6 +77,8 @@ def _parse(argv):
   p.add_argument("--in_process", action="store_true",
                  help="time the methods in turn in this process (steadier ratios on a loaded "
                       "machine; no per-method memory)")
+  p.add_argument("--onednn", default="default", choices=bench_util.ONEDNN_CHOICES,
+                 help="TensorFlow's oneDNN kernels: its own default for this CPU, on or off")
   p.add_argument("--_worker", nargs=4, metavar=("MODEL", "METHOD", "BATCH", "REPEATS"),
                  help=argparse.SUPPRESS)
   p.add_argument("--_paired", nargs=4, metavar=("MODEL", "METHODS", "BATCH", "REPEATS"),
@@ -195,8 +202,10 @@ def _timed(fn, x, y):
 
 
 def _row(model_name, method, batch_size, times):
+  found = bench_util.machine()
   return {"model": model_name, "method": method, "batch_size": batch_size,
-          "median_ms": 1e3 * _median(times), "min_ms": 1e3 * min(times), "repeats": len(times)}
+          "median_ms": 1e3 * _median(times), "min_ms": 1e3 * min(times), "repeats": len(times),
+          "cpu": found["cpu"], "onednn": found["onednn"]}
 
 
 def measure(model_name, method, batch_size, repeats):
@@ -229,27 +238,27 @@ def measure_interleaved(model_name, methods, batch_size, repeats):
           for m in methods]
 
 
-def _run_worker(model, method, batch_size, repeats):
+def _run_worker(model, method, batch_size, repeats, env):
   cmd = [sys.executable, "-m", "trainer.bench", "per_example", "--_worker", model, method,
          str(batch_size), str(repeats)]
   try:
     return bench_util.run_row(cmd, f"bench worker {model} {method} B={batch_size}",
-                              timeout_s=1200)
+                              timeout_s=1200, env=env)
   except RuntimeError as e:  # E.g. pfor through MultiHeadAttention: SIGSEGV.
     first = str(e).splitlines()[0].rstrip(":")
     print(f"  {first}", file=sys.stderr, flush=True)
     return {"model": model, "method": method, "batch_size": batch_size, "median_ms": None,
             "min_ms": None, "repeats": repeats, "peak_rss_mib": None, "rss_growth_mib": None,
-            "error": first}
+            "cpu": None, "onednn": None, "error": first}
 
 
-def _run_paired(model, methods, batch_size, repeats):
+def _run_paired(model, methods, batch_size, repeats, env):
   """`measure_interleaved` in a fresh subprocess; {method: row}, or {} if it died."""
   cmd = [sys.executable, "-m", "trainer.bench", "per_example", "--_paired", model,
          ",".join(methods), str(batch_size), ",".join(str(repeats[m]) for m in methods)]
   try:
     found = bench_util.run_row(cmd, f"bench paired timing {model} B={batch_size}",
-                               timeout_s=1800)
+                               timeout_s=1800, env=env)
   except RuntimeError as e:
     print(f"  {str(e).splitlines()[0].rstrip(':')}; keeping the solo times", file=sys.stderr,
           flush=True)
@@ -257,11 +266,12 @@ def _run_paired(model, methods, batch_size, repeats):
   return {r["method"]: r for r in found["rows"]}
 
 
-def _measure_case(model, methods, batch_size, repeats):
-  """Rows of one (model, batch size): memory from solo runs, times from the paired run."""
-  rows = [_run_worker(model, m, batch_size, repeats[m]) for m in methods]
+def _measure_case(model, methods, batch_size, repeats, env):
+  """Rows of one (model, batch size): memory from solo runs, times from the paired run; the
+  measurement processes get `env` on top of this one's environment."""
+  rows = [_run_worker(model, m, batch_size, repeats[m], env) for m in methods]
   alive = [r["method"] for r in rows if not r.get("error")]
-  paired = _run_paired(model, alive, batch_size, repeats) if len(alive) > 1 else {}
+  paired = _run_paired(model, alive, batch_size, repeats, env) if len(alive) > 1 else {}
   for row in rows:
     row["solo_median_ms"] = row["median_ms"]
     if row["method"] in paired:
@@ -328,6 +338,12 @@ def plot(rows, path):
 
 def main(argv) -> int:
   args = _parse(argv)
+  env = bench_util.onednn_env(args.onednn)
+  if env and args.in_process:
+    if "tensorflow" in sys.modules:
+      raise SystemExit("--onednn=on|off with --in_process needs a fresh process (TensorFlow is "
+                       "already imported); drop --in_process or set TF_ENABLE_ONEDNN_OPTS")
+    os.environ.update(env)
   if args._worker:  # pylint: disable=protected-access
     model, method, batch, repeats = args._worker  # pylint: disable=protected-access
     bench_util.print_row(measure(model, method, int(batch), int(repeats)))
@@ -347,7 +363,7 @@ def main(argv) -> int:
       if args.in_process:
         found = measure_interleaved(model, methods, batch_size, repeats)
       else:
-        found = _measure_case(model, methods, batch_size, repeats)
+        found = _measure_case(model, methods, batch_size, repeats, env)
       for row in found:
         print(f"  {model} {row['method']} B={batch_size}: {_num(row['median_ms'], 0, 1)} ms",
               file=sys.stderr, flush=True)

@@ -11,13 +11,56 @@ import subprocess
 _PREFIX = "ROW "
 
 
+ONEDNN_CHOICES = ("default", "on", "off")
+
+
+def onednn_env(choice: str) -> dict:
+  """Environment for measurement processes that sets TensorFlow's oneDNN kernels on or off.
+
+  `default` ({}) leaves TensorFlow's own choice: in TF 2.20 oneDNN is on by default only on x86
+  CPUs with AVX-512 class features (e.g. AMD Zen 4), off on AVX2-only ones (e.g. AMD Zen 3),
+  which changes kernel speeds by up to 3x and which method is fastest. The variable only acts
+  in a process that has not imported TensorFlow yet.
+  """
+  if choice not in ONEDNN_CHOICES:
+    raise ValueError(f"onednn: {choice!r}; allowed: {', '.join(ONEDNN_CHOICES)}")
+  return {} if choice == "default" else {"TF_ENABLE_ONEDNN_OPTS": "1" if choice == "on" else "0"}
+
+
+def machine() -> dict:
+  """What the numbers of this process depend on: the CPU, its AVX-512 support and whether
+  TensorFlow's oneDNN kernels are on (None where it cannot be told). Imports TensorFlow."""
+  import platform  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  info = {"name": platform.processor() or platform.machine()}
+  try:
+    with open("/proc/cpuinfo") as f:
+      fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
+                    if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    info["name"] = (f"{fields.get('model name', info['name'])} (family {fields.get('cpu family')}"
+                    f", model {fields.get('model')})")
+    info["avx512"] = "avx512f" in fields.get("flags", "").split()
+  except (OSError, ValueError):
+    info["avx512"] = None
+  try:  # TF's own answer (reads TF_ENABLE_ONEDNN_OPTS and the CPU), a private module.
+    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
+    onednn = bool(_pywrap_util_port.IsMklEnabled())
+  except (ImportError, AttributeError):
+    onednn = None
+  return {"cpu": info["name"], "avx512": info["avx512"], "onednn": onednn,
+          "tensorflow": tf.__version__, "cpus": os.cpu_count()}
+
+
 def print_row(row: dict) -> None:
   print(_PREFIX + json.dumps(row), flush=True)
 
 
-def run_row(cmd: list, what: str, timeout_s: int = 1800) -> dict:
-  """Runs `cmd`, returns its last ROW as a dict; raises RuntimeError naming `what` on failure."""
-  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+def run_row(cmd: list, what: str, timeout_s: int = 1800, env: dict | None = None) -> dict:
+  """Runs `cmd`, returns its last ROW as a dict; raises RuntimeError naming `what` on failure.
+  `env`: variables set for it on top of this process' environment."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+             **(env or {}))
   done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s,
                         check=False)
   rows = [line for line in done.stdout.splitlines() if line.startswith(_PREFIX)]
