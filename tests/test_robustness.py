@@ -344,3 +344,15 @@ def test_result_json_is_strict_json(tmp_path):
   run.run(helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2}), str(tmp_path))
   text = (tmp_path / "result.json").read_text()
   json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict JSON constant {c}"))
+
+
+def test_newest_checkpoint_number_tells_a_lone_ckpt_0_from_none(tmp_path):
+  # Workers compare these numbers before any restore: a lone ckpt-0 (a `train_steps=0` run)
+  # beside a workdir without checkpoints must not pass as the same.
+  from trainer import checkpointing  # pylint: disable=g-import-not-at-top
+  assert checkpointing.newest_number(str(tmp_path)) == checkpointing.NO_CHECKPOINT == -1
+  (tmp_path / "ckpt-0.index").write_bytes(b"")
+  assert checkpointing.newest_number(str(tmp_path)) == 0
+  (tmp_path / "ckpt-12.index").write_bytes(b"")
+  (tmp_path / "ckpt-3.data-00000-of-00001").write_bytes(b"")  # No index: not a checkpoint.
+  assert checkpointing.newest_number(str(tmp_path)) == 12

@@ -191,10 +191,14 @@ def has_checkpoints(directory: str) -> bool:
   return bool(_numbered(directory))
 
 
+NO_CHECKPOINT = -1
+
+
 def newest_number(directory: str) -> int:
-  """The update number of the newest `ckpt-N` index file in `directory`; 0 when none."""
+  """The update number of the newest `ckpt-N` index file in `directory`; NO_CHECKPOINT (-1)
+  when none (a lone `ckpt-0`, e.g. from `train_steps=0`, is 0, which must differ from none)."""
   found = _numbered(directory)
-  return found[0][0] if found else 0
+  return found[0][0] if found else NO_CHECKPOINT
 
 
 def check_workers_agree(strategy, number: int, what: str) -> None:
@@ -213,9 +217,10 @@ def check_workers_agree(strategy, number: int, what: str) -> None:
       tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([value, value * value])),
       axis=None))().numpy()
   if moments[1] - moments[0] ** 2 > 0.1:  # Integers: any disagreement gives a variance >= 0.25.
+    shown = "none" if number == NO_CHECKPOINT else str(int(number))
     raise errors.ConfigError(
-        f"the workers disagree on {what} (this one {int(number)}, their mean "
-        f"{moments[0]:.1f}); give every worker the same workdir files and restart them together")
+        f"the workers disagree on {what} (this one: {shown}; another worker has a different "
+        "one); give every worker the same workdir files and restart them together")
 
 
 def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
