@@ -186,11 +186,6 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   return None
 
 
-def has_checkpoints(directory: str) -> bool:
-  """Whether `directory` holds any `ckpt-N` index file (readable or not)."""
-  return bool(_numbered(directory))
-
-
 NO_CHECKPOINT = -1
 
 

@@ -110,9 +110,9 @@ def build(config, workdir, task=None):
   checkpoints = checkpointing.checkpoint_dir(workdir)
   # Multi-worker: the same newest checkpoint on every worker before any restore (a restore
   # broadcasts from worker 0), and the same restored update after it.
-  checkpointing.check_workers_agree(strategy, checkpointing.newest_number(checkpoints),
-                                    "the newest checkpoint in their workdirs")
-  if checkpointing.has_checkpoints(checkpoints):
+  newest = checkpointing.newest_number(checkpoints)
+  checkpointing.check_workers_agree(strategy, newest, "the newest checkpoint in their workdirs")
+  if newest != checkpointing.NO_CHECKPOINT:
     workdir_lib.check_resume(config, workdir)  # Names the changed field, before any restore.
   # Before the datasets exist: they start at the restored data position. (The Controller
   # restores the same checkpoint again on the chief; that is harmless.) Only a training chief

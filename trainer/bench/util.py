@@ -4,6 +4,7 @@ A measurement process prints its result as one line `ROW <json>` on stdout (`pri
 parent (`run_row`) starts it, waits, and parses the last such line. A fresh process per
 measurement keeps peak memory (ru_maxrss) and warm caches of one case out of the next. Eager, host.
 """
+import functools
 import json
 import os
 import subprocess
@@ -27,29 +28,29 @@ def onednn_env(choice: str) -> dict:
   return {} if choice == "default" else {"TF_ENABLE_ONEDNN_OPTS": "1" if choice == "on" else "0"}
 
 
+@functools.lru_cache(maxsize=None)
 def machine() -> dict:
-  """What the numbers of this process depend on: the CPU, its AVX-512 support and whether
-  TensorFlow's oneDNN kernels are on (None where it cannot be told). Imports TensorFlow."""
+  """What the numbers of this process depend on: `cpu` (model name, family and model) and
+  `onednn`, whether TensorFlow's oneDNN kernels are on (None where it cannot be told). Read
+  once per process (rows call it each); imports TensorFlow."""
   import platform  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  info = {"name": platform.processor() or platform.machine()}
+  import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
       fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines()
                     if ":" in line)
     fields = {k.strip(): v.strip() for k, v in fields.items()}
-    info["name"] = (f"{fields.get('model name', info['name'])} (family {fields.get('cpu family')}"
-                    f", model {fields.get('model')})")
-    info["avx512"] = "avx512f" in fields.get("flags", "").split()
+    cpu = (f"{fields.get('model name', cpu)} (family {fields.get('cpu family')}, model "
+           f"{fields.get('model')})")
   except (OSError, ValueError):
-    info["avx512"] = None
+    pass
   try:  # TF's own answer (reads TF_ENABLE_ONEDNN_OPTS and the CPU), a private module.
     from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
     onednn = bool(_pywrap_util_port.IsMklEnabled())
   except (ImportError, AttributeError):
     onednn = None
-  return {"cpu": info["name"], "avx512": info["avx512"], "onednn": onednn,
-          "tensorflow": tf.__version__, "cpus": os.cpu_count()}
+  return {"cpu": cpu, "onednn": onednn}
 
 
 def print_row(row: dict) -> None:
