@@ -64,7 +64,10 @@ def test_kill_9_at_random_points_then_resume_bitwise(tmp_path):
                             stderr=subprocess.DEVNULL)
     time.sleep(rng.uniform(4.0, 9.0))
     if proc.poll() is None:
-      proc.send_signal(signal.SIGKILL)
+      # `proc` is `timeout`, which runs the trainer as its child in a process group of its own
+      # (pgid = its PID). SIGKILL to `timeout` alone left the trainer running on, holding the
+      # workdir lock, and the next run failed with "in use by a live run": end the group.
+      os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     latest = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
     if latest:
