@@ -124,3 +124,22 @@ class WithDropout(NoMetrics):
   def build_model(self):
     return keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"),
                              keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+
+
+class _PerStepDense(keras.layers.Layer):
+  """A Dense applied to each of 3 steps of 4 features by tf.map_fn (a loop in the forward)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = keras.layers.Dense(4)
+
+  def call(self, x):
+    steps = tf.transpose(tf.reshape(x, [-1, 3, 4]), [1, 0, 2])
+    return tf.reshape(tf.transpose(tf.map_fn(self.dense, steps), [1, 0, 2]), [-1, 12])
+
+
+class LoopedDense(NoMetrics):
+  """The MLP behind a layer that calls a Dense inside tf.map_fn."""
+
+  def build_model(self):
+    return keras.Sequential([keras.Input((12,)), _PerStepDense(), keras.layers.Dense(2)])

@@ -47,6 +47,16 @@ def test_orthogonal_equal_norm_diversity_one():
   np.testing.assert_allclose(s["cosines"], np.full(5, 1 / np.sqrt(5)), rtol=1e-6)
 
 
+def test_one_example_leaves_covariance_estimates_undefined_and_the_rest_exact():
+  g = np.array([[3.0, 4.0]], np.float32)
+  s = _stats([g], _vars((2,)))
+  for key in ("trace", "variance", "gns", "gns_s", "gns_g2", "gns_example"):
+    assert np.isnan(s[key]), (key, s[key])  # 0/0: was +-inf or NaN, as rounding fell.
+  np.testing.assert_allclose([s["count"], s["grad_norm"], s["mean_norm"], s["diversity"]],
+                             [1.0, 5.0, 5.0, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(s["cosines"], [1.0], rtol=1e-6)
+
+
 def test_moments_match_numpy():
   rng = np.random.default_rng(1)
   b = 9

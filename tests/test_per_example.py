@@ -22,6 +22,8 @@ import tensorflow as tf
 
 import per_example_helpers as h
 from trainer.per_example import Recorder
+from trainer.per_example import conv as conv_lib
+from trainer.per_example import kernels
 from trainer.per_example import per_example_gradients
 
 L = keras.layers
@@ -142,6 +144,56 @@ def test_matches_single_example_loop_and_sums_to_batch_gradient(name, size):
   keras.utils.set_random_seed(1)
   model = MODELS[name]()
   _check_against_loop_and_batch_gradient(model, _batch_for(model, size), name)
+
+
+# Convolutions with at most 4 input channels (patches of x) or filters (transposed: patches of
+# dz) get one piece whose layout follows the kernels (trainer/per_example/kernels.py); the suite
+# runs with oneDNN on, so the Eigen layout is forced here.
+FEW_CHANNEL_CONVS = ("conv_same", "conv_valid_s2", "conv_same_s2", "conv_dil2_same",
+                     "conv_dil2_valid", "conv1d_causal_dil2", "conv1d_same_s2", "conv3d_same_s2",
+                     "conv2d_transpose_same_s2", "conv1d_transpose_valid_s2")
+
+
+@pytest.mark.parametrize("eigen_layout", [True, False])
+@pytest.mark.parametrize("name", FEW_CHANNEL_CONVS)
+def test_few_channel_convolutions_match_loop_in_both_kernel_layouts(name, eigen_layout,
+                                                                   monkeypatch):
+  monkeypatch.setattr(kernels, "eigen_cpu", lambda: eigen_layout)
+  keras.utils.set_random_seed(1)
+  model = MODELS[name]()
+  conv = model.layers[0]
+  assert min(conv.kernel.shape[-2:]) <= conv_lib.ONE_PIECE_MAX_CHANNELS, name
+  _check_against_loop_and_batch_gradient(model, _batch_for(model, 7), f"{name} eigen={eigen_layout}")
+  graph = tf.function(lambda b: per_example_gradients(model, _xent, b)).get_concrete_function(
+      _batch_for(model, 7)).graph
+  unfolding = [op for op in graph.get_operations()
+               if op.type in ("Conv2D", "Conv3D") and _constant(op.inputs[1])]
+  assert bool(unfolding) != eigen_layout, (name, [op.name for op in unfolding])
+
+
+def _constant(tensor):
+  """Whether `tensor` is a constant, seen through ExpandDims (how Conv1D reaches Conv2D)."""
+  while tensor.op.type in ("ExpandDims", "Identity"):
+    tensor = tensor.op.inputs[0]
+  return tensor.op.type == "Const"
+
+
+def test_mixed_float16_layers_get_their_terms_and_match_the_loop():
+  # Inside a layer's call under a mixed policy the layer's variables read as float16 casts;
+  # their terms must still be registered (they were silently dropped: zero gradients).
+  keras.mixed_precision.set_global_policy("mixed_float16")
+  try:
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([
+        keras.Input((6, 6, 2)), L.Conv2D(4, 3, activation="relu"), L.Flatten(),
+        L.Dense(8, activation="relu"), L.LayerNormalization(), L.Dense(3, dtype="float32")])
+    batch = _batch_for(model, 5)
+    ours = per_example_gradients(model, _xent, batch)
+    ref = _loop_grads(model, _xent, batch, model.trainable_variables)
+  finally:
+    keras.mixed_precision.set_global_policy("float32")
+  assert all(float(np.max(np.abs(r))) > 0 for r in ref)
+  _assert_close_rel([tf.cast(g, tf.float32) for g in ours], ref, 3e-3, "mixed_float16")
 
 
 @pytest.mark.parametrize("size", [1, 7, 64])
@@ -271,8 +323,9 @@ def test_batchnorm_in_training_mode_is_refused():
   keras.utils.set_random_seed(0)
   model = keras.Sequential([keras.Input((5,)), L.Dense(4), L.BatchNormalization(), L.Dense(3)])
   batch = _batch_for(model, 6)
-  with pytest.raises(ValueError, match="BatchNormalization.*training=True"):
+  with pytest.raises(ValueError, match="BatchNormalization.*training=True") as info:
     per_example_gradients(model, _xent, batch)
+  assert str(info.value).startswith("per_example: ") and "\n" not in str(info.value)
   # General path too (Scale + BN): refused while tracing the vectorized function.
   emb = keras.Sequential([keras.Input((5,)), h.Scale(), L.BatchNormalization(), L.Dense(3)])
   with pytest.raises(ValueError, match="BatchNormalization"):
@@ -283,6 +336,87 @@ def test_batchnorm_in_training_mode_is_refused():
   ours = per_example_gradients(model, inference, batch)
   _assert_close_rel(ours, _loop_grads(model, inference, batch, model.trainable_variables),
                     1e-5, "bn inference")
+
+
+class _DenseCell(L.Layer):
+  """An RNN cell built from Dense sublayers (called inside the RNN's tf.while_loop)."""
+
+  def __init__(self, units, **kwargs):
+    super().__init__(**kwargs)
+    self.units, self.state_size = units, units
+    self.inp, self.rec = L.Dense(units), L.Dense(units, use_bias=False)
+
+  def build(self, shape):
+    self.inp.build(shape)
+    self.rec.build((shape[0], self.units))
+
+  def call(self, x, states):
+    h = tf.tanh(self.inp(x) + self.rec(states[0]))
+    return h, [h]
+
+
+class _PerStepDense(L.Layer):
+  """A Dense applied to each time step by tf.map_fn (a loop the recording cannot see into)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = L.Dense(3)
+
+  def call(self, x):
+    return tf.transpose(tf.map_fn(self.dense, tf.transpose(x, [1, 0, 2])), [1, 0, 2])
+
+
+def test_layers_inside_recurrent_and_time_distributed_loops_take_the_general_path():
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((5, 4))
+  rnn, per_step = L.RNN(_DenseCell(3)), L.TimeDistributed(L.Dense(2))
+  model = keras.Model(inputs, L.Dense(3)(L.Concatenate()([rnn(inputs),
+                                                          L.Flatten()(per_step(inputs))])))
+  recorder = Recorder(model)
+  looped = {id(v) for v in rnn.trainable_variables + per_step.trainable_variables}
+  assert {id(v) for v in recorder.general_variables} == looped
+  with pytest.raises(ValueError, match="called in a loop by RNN"):
+    Recorder(model, general_path="error")
+  batch = _batch_for(model, 4)
+  ref = _loop_grads(model, _xent, batch, model.trainable_variables)
+  for path in ("vectorized_map", "loop"):
+    traced = tf.function(lambda b, path=path: per_example_gradients(
+        model, _xent, b, general_path=path))(batch)
+    _assert_close_rel(traced, ref, 1e-5, f"rnn/time-distributed, {path}")
+
+
+def test_a_covered_layer_called_inside_a_nested_loop_is_refused_in_one_line():
+  keras.utils.set_random_seed(1)
+  model = keras.Sequential([keras.Input((5, 4)), _PerStepDense(), L.Flatten(), L.Dense(3)])
+  batch = _batch_for(model, 4)
+  with pytest.raises(ValueError) as info:
+    tf.function(lambda b: per_example_gradients(model, _xent, b), autograph=False)(batch)
+  message = str(info.value)
+  assert message.startswith("per_example: Dense '"), message
+  assert "nested function or loop" in message and "\n" not in message, message
+  # Raised after the forward, not inside tf.map_fn (which then leaves a caching device on the
+  # variable scope and every later `strategy.scope()` fails).
+  with tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():
+    tf.Variable(1.0)
+  # Eagerly the map_fn runs as a Python loop: the same layer is recorded once per step.
+  _assert_close_rel(per_example_gradients(model, _xent, batch),
+                    _loop_grads(model, _xent, batch, model.trainable_variables), 1e-5, "eager")
+
+
+def test_vectorized_map_that_pfor_cannot_convert_runs_the_loop_instead(caplog):
+  # An LSTM over a masked Embedding: pfor raises while converting (a TensorList `variant`).
+  keras.utils.set_random_seed(1)
+  ids = keras.Input((6,), dtype="int32")
+  model = keras.Model(ids, L.Dense(3)(L.LSTM(3)(L.Embedding(10, 4, mask_zero=True)(ids))))
+  batch = (tf.constant([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0], [1, 1, 1, 1, 1, 2],
+                        [7, 0, 0, 0, 0, 0]]), tf.constant([0, 1, 2, 1]))
+  ref = _loop_grads(model, _xent, batch, model.trainable_variables)
+  with caplog.at_level("WARNING"):
+    eager = per_example_gradients(model, _xent, batch)
+    traced = tf.function(lambda b: per_example_gradients(model, _xent, b))(batch)
+  assert "running general_path='loop' instead" in caplog.text
+  _assert_close_rel(eager, ref, 1e-5, "fallback eager")
+  _assert_close_rel(traced, ref, 1e-5, "fallback traced")
 
 
 def test_dropout_with_seed_sums_to_batch_gradient_of_same_forward():

@@ -33,12 +33,15 @@ gathered zeros; the norms run under `tf.cond` only on statistics updates.
 import contextlib
 import inspect
 
+from absl import logging
 import keras
 import tensorflow as tf
 
 from trainer import base_task
 from trainer import errors
 from trainer import per_example
+from trainer.per_example import conv as per_example_conv
+from trainer.per_example import kernels as per_example_kernels
 from trainer.per_example import layers as per_example_layers
 
 SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
@@ -64,6 +67,15 @@ class UpdateStatistics:
                                            general_path=config.per_example.general_path)
     except ValueError as e:
       raise errors.ConfigError(f"`per_example.general_path`=error: {e}") from None
+    convolutions = [layer.name for layer, _ in self.recorder.layers
+                    if isinstance(layer, per_example_conv.COVERED)]
+    if convolutions and per_example_kernels.eigen_cpu():
+      logging.warning(
+          "per_example.every_steps=%d with TensorFlow's oneDNN kernels off (TF 2.20's default "
+          "on x86 CPUs without AVX-512): the per-example terms of the convolutions (%s) run on "
+          "Eigen's batched matrix products, which makes statistics updates markedly slower "
+          "(docs/per_example.md, 'Speed depends on oneDNN'); for speed, start the job with "
+          "TF_ENABLE_ONEDNN_OPTS=1", self.every, ", ".join(convolutions))
     self._task = task
     self.num_sums = 2 * len(self.recorder.variables) + 3
     self._small_batches = num_replicas * accumulation_steps
@@ -101,9 +113,22 @@ class UpdateStatistics:
       else:
         cls.value = own
 
+  @contextlib.contextmanager
   def recording(self, tape):
-    """Records the forward pass for the per-example formulas (a null context when disabled)."""
-    return self.recorder.record(tape) if self.enabled else contextlib.nullcontext(None)
+    """Records the forward pass for the per-example formulas (yields None when disabled).
+
+    A model the recording refuses (e.g. a covered layer called inside a loop of the forward
+    pass) is a ConfigError naming `per_example.every_steps` (traced, at the first trace).
+    """
+    if not self.enabled:
+      yield None
+      return
+    try:
+      with self.recorder.record(tape) as rec:
+        yield rec
+    except per_example.Refused as e:
+      raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {e}; set it to 0 "
+                               "for this model") from None
 
   def active(self, global_step):
     """Whether this update writes statistics (a bool tensor)."""

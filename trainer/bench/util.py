@@ -34,7 +34,7 @@ def machine() -> dict:
   `onednn`, whether TensorFlow's oneDNN kernels are on (None where it cannot be told). Read
   once per process (rows call it each); imports TensorFlow."""
   import platform  # pylint: disable=g-import-not-at-top
-  import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+  from trainer.per_example import kernels  # pylint: disable=g-import-not-at-top
   cpu = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
@@ -45,12 +45,7 @@ def machine() -> dict:
            f"{fields.get('model')})")
   except (OSError, ValueError):
     pass
-  try:  # TF's own answer (reads TF_ENABLE_ONEDNN_OPTS and the CPU), a private module.
-    from tensorflow.python.util import _pywrap_util_port  # pylint: disable=g-import-not-at-top
-    onednn = bool(_pywrap_util_port.IsMklEnabled())
-  except (ImportError, AttributeError):
-    onednn = None
-  return {"cpu": cpu, "onednn": onednn}
+  return {"cpu": cpu, "onednn": kernels.onednn_on()}
 
 
 def print_row(row: dict) -> None:

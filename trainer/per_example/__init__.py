@@ -14,6 +14,7 @@ Modules, one concept each (every module's docstring states its execution context
 See docs/per_example.md.
 """
 from trainer.per_example.general import PATHS as GENERAL_PATHS
+from trainer.per_example.general import Refused
 from trainer.per_example.ghost import GhostTerms
 from trainer.per_example.ghost import ghost_norms
 from trainer.per_example.gradients import per_example_gradients

@@ -6,7 +6,9 @@
   some kernels (it falls back to a while_loop), and TF 2.20 with oneDNN on (TF's x86 default)
   kills the process with a segmentation fault when it vectorizes a forward pass through Keras
   MultiHeadAttention at B >= 2. Models built from the layers of `layers.py` and `conv.py` never
-  get here.
+  get here. Where pfor cannot convert the function at all (it raises while tracing, e.g. an
+  LSTM over a masked Embedding: "`dtype` variant is not compatible"), the `loop` below runs
+  instead, with a logged warning.
 * `loop`: a compiled `tf.while_loop` over the examples, each iteration one example's
   GradientTape. Slower (B small forward/backward passes) but nothing is vectorized, so no crash.
   Called eagerly, the loop is wrapped in a `tf.function` (traced on every call).
@@ -16,10 +18,23 @@
 Each general-path example runs its own forward pass (batch size 1): random layers draw their own
 masks there. Runs eagerly or traced, in replica or cross-replica context; no communication.
 """
+from absl import logging
 import keras
 import tensorflow as tf
 
 PATHS = ("vectorized_map", "loop", "error")
+
+
+class Refused(ValueError):
+  """A model the per-example formulas refuse (e.g. BatchNormalization in training mode).
+
+  Raised inside a layer's call, eagerly or while tracing; its message stays one line: Keras
+  leaves an error carrying `_keras_call_info_injected` as it is, AutoGraph one carrying
+  `ag_pass_through` (both would otherwise wrap it in many lines). The general path does not
+  retry it as a vectorization failure.
+  """
+  _keras_call_info_injected = True
+  ag_pass_through = True
 
 
 # Library code has no tensor-dependent Python control flow: it runs without AutoGraph (tracing
@@ -56,8 +71,16 @@ def check_losses(losses):
 
 
 def unwrap(v):
-  """The tf.Variable (or DistributedVariable) behind a Keras variable; others unchanged."""
-  return v.value if isinstance(v, keras.Variable) else v
+  """The tf.Variable (or DistributedVariable) behind a Keras variable; others unchanged.
+
+  Read without autocasting: inside a layer's call under a mixed-precision policy a Keras
+  variable's `.value` is a new float16 cast of it, which would identify no variable. A variable
+  not yet created is returned as it is.
+  """
+  if isinstance(v, keras.Variable):
+    backend = getattr(v, "_value", None)  # pylint: disable=protected-access
+    return v if backend is None else backend
+  return v
 
 
 def gradients(model, loss_fn, batch, variables, general_path, guard):
@@ -80,9 +103,20 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [tf.convert_to_tensor(g) for g in grads]
 
-  if general_path == "vectorized_map":
+  def vectorized(batch):
     return tf.vectorized_map(
         lambda e: one_example(tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), e)), batch)
+
+  if general_path == "vectorized_map":
+    try:  # In a function of its own: a conversion that fails while tracing leaves no ops in the
+      # caller's graph (a failed pfor's stateful leftovers would still run there).
+      return tf.function(vectorized, autograph=False)(batch)
+    except Refused:
+      raise
+    except (TypeError, ValueError, NotImplementedError) as e:  # pfor could not convert it.
+      first = (str(e).strip().splitlines() or [""])[-1][:300]
+      logging.warning("per_example: tf.vectorized_map could not vectorize the general path "
+                      "(%s: %s); running general_path='loop' instead", type(e).__name__, first)
 
   def loop(batch):
     size = tf.shape(tf.nest.flatten(batch)[0])[0]

@@ -34,6 +34,11 @@ from trainer.per_example import general
 from trainer.per_example import layers
 
 _BN_TYPES = (keras.layers.BatchNormalization,)
+# Wrappers that call their inner layers inside a loop (a tf.while_loop over time steps; a
+# vectorized_map over an unknown number of them): tensors recorded there belong to the loop's
+# body and are not reachable by the caller's backward pass, so their layers go to the general
+# path.
+_LOOPING_WRAPPERS = (keras.layers.RNN, keras.layers.TimeDistributed)
 _MISSING = object()
 LAYER_METHODS = ("auto", "materialize", "ghost")
 
@@ -88,8 +93,17 @@ class Recorder:
       self._index.setdefault(key(v), i)
     self.layers, covered, reasons = [], set(), {}
     all_layers = flat_layers(model)
+    looped = {}
+    for wrapper in all_layers:
+      if isinstance(wrapper, _LOOPING_WRAPPERS):
+        for inner in flat_layers(wrapper)[1:]:
+          looped.setdefault(id(inner), wrapper)
     for layer in all_layers:
       rule, reason = layers.rule_for(layer)
+      if rule is not None and id(layer) in looped:
+        wrapper = looped[id(layer)]
+        rule, reason = None, (f"called in a loop by {type(wrapper).__name__} "
+                              f"'{wrapper.name}'")
       if rule is None:
         for v in getattr(layer, "_trainable_variables", []):
           reasons.setdefault(key(v), f"{type(layer).__name__} '{layer.name}': {reason}")
@@ -121,6 +135,8 @@ class Recorder:
     with self.guard(), _patched([(layer, _recording_call(layer, rule, rec))
                                  for layer, rule in self.layers]):
       yield rec
+    if rec.refusal:  # Raised here, outside the loop that saw it (see `Recording.watch`).
+      raise general.Refused(rec.refusal)
 
   def differentiate(self, loss_fn, batch):
     """Records one batch forward of `loss_fn` and differentiates sum(losses) in ONE backward.
@@ -161,10 +177,13 @@ class Recording:
     batch_size: scalar tensor B of the first recorded output (None if nothing was recorded).
     inside: the recorded layers whose calls are running now (innermost last): lets a caller
       tell reads of a layer's variables inside its own call from reads elsewhere (tied weights).
+    refusal: '' or why this forward cannot be recorded (raised when `record` ends).
   """
 
   def __init__(self, recorder, tape):
     self.recorder = recorder
+    self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    self.refusal = ""
     self.outputs = []
     self.terms = {i: [] for i in recorder.direct_indices}
     self.joints = []
@@ -173,7 +192,27 @@ class Recording:
     self._tape = tape
 
   def watch(self, tensor) -> int:
-    """Watches `tensor` on the tape and records it as an output; returns its index."""
+    """Watches `tensor` on the tape and records it as an output; returns its index.
+
+    Refuses a tensor of another graph than the one the recording started in: a covered layer
+    called inside a nested function or loop of the forward pass (a tf.while_loop, tf.cond or
+    vectorized_map body, a tf.function inside the model), whose tensors the caller's backward
+    pass cannot reach (their gradients would silently be zero, or fail to resolve). The
+    refusal is noted in `refusal` and raised when the recording ends: raised inside the loop,
+    it would leave TensorFlow's state behind (tf.map_fn does not restore the variable scope's
+    caching device on an exception, and a later `strategy.scope()` fails).
+    """
+    graph = None if isinstance(tensor, tf.__internal__.EagerTensor) else tensor.graph
+    if graph is not self._graph:
+      layer = self.inside[-1] if self.inside else None
+      name = f"{type(layer).__name__} '{layer.name}'" if layer is not None else "a layer"
+      self.refusal = self.refusal or (
+          f"per_example: {name} is called inside a nested function or loop of the forward pass "
+          "(tf.while_loop, tf.cond, vectorized_map, or a tf.function inside the model), where "
+          "its per-example gradients cannot be recorded (call it outside the loop, or leave "
+          "its variables out of `variables`)")
+      self.outputs.append(tensor)  # Never differentiated: the recording raises at its end.
+      return len(self.outputs) - 1
     if self._tape is not None:
       self._tape.watch(tensor)
     if self.batch_size is None:
@@ -240,7 +279,7 @@ def _refusing_call(layer, original):
   def call(*args, **kwargs):
     training = _training_flag(args, kwargs)
     if layer.trainable and training is not None and (not isinstance(training, bool) or training):
-      raise ValueError(
+      raise general.Refused(
           f"per_example: BatchNormalization layer '{layer.name}' runs with training=True "
           "(batch statistics mix examples, so per-example gradients are ill-defined); call it "
           "with training=False, set layer.trainable=False, or use LayerNormalization/"

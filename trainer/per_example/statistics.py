@@ -80,7 +80,8 @@ def statistics_from_sums(sums, grad_sq_norm, *, num_small_batches, num_parameter
   Pure; any context. `num_small_batches` is how many `local_sums` vectors were added (R
   replicas, or R x k micro-batches); with 1 the noise scale uses b_small = 1.
   Returns count, grad_norm, mean_norm, mean_sq_norm, trace, variance, diversity, gns, gns_s,
-  gns_g2, gns_example, var_mean_norm [V], var_mean_sq_norm [V].
+  gns_g2, gns_example, var_mean_norm [V], var_mean_sq_norm [V]. With one example (count 1)
+  trace, variance and the noise scales are NaN (undefined).
   """
   num_vars = (int(sums.shape[0]) - 3) // 2
   var_sum_sq, var_sum_norm, tail = tf.split(sums, [num_vars, num_vars, 3])
@@ -96,6 +97,10 @@ def statistics_from_sums(sums, grad_sq_norm, *, num_small_batches, num_parameter
                            tf.stack([b_small, tf.ones_like(count)]), count)
   gns, gns_example = tf.unstack(gns)
   (gns_s, trace), (gns_g2, _) = tf.unstack(s), tf.unstack(g2)  # S at b_s = 1 is tr(Sigma).
+  # One example has no covariance: these divide 0 by 0, whose sign rounding would pick.
+  undefined = tf.fill(tf.shape(count), float("nan"))
+  trace, gns, gns_s, gns_g2, gns_example = (tf.where(count > 1.0, t, undefined)
+                                            for t in (trace, gns, gns_s, gns_g2, gns_example))
   return {
       "count": count, "grad_norm": tf.sqrt(grad_sq_norm), "mean_norm": sum_norm / count,
       "mean_sq_norm": example_sq, "trace": trace, "variance": trace / float(num_parameters),
