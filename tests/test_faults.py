@@ -59,19 +59,29 @@ def test_kill_9_at_random_points_then_resume_bitwise(tmp_path):
     assert latest is None or int(latest.rsplit("-", 1)[1]) < step or crash.startswith("mid"), latest
     if latest:
       tf.train.load_checkpoint(latest)  # The latest checkpoint is never corrupt.
+  killed = 0
   for _ in range(3):
     proc = subprocess.Popen(_cmd(workdir), cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    time.sleep(rng.uniform(4.0, 9.0))
+                            stderr=subprocess.PIPE, text=True)
+    # A random moment after training is under way (a fixed delay from the start fell inside
+    # TensorFlow's import, 10 s on a slow 2-core machine, and killed nothing of the trainer).
+    deadline = time.time() + 120
+    for line in proc.stderr:
+      if "training until step" in line or time.time() > deadline:
+        break
+    time.sleep(rng.uniform(0.0, 1.5))
     if proc.poll() is None:
+      killed += 1
       # `proc` is `timeout`, which runs the trainer as its child in a process group of its own
       # (pgid = its PID). SIGKILL to `timeout` alone left the trainer running on, holding the
       # workdir lock, and the next run failed with "in use by a live run": end the group.
       os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    proc.stderr.close()
     latest = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
     if latest:
       tf.train.load_checkpoint(latest)
+  assert killed >= 1, "every random kill came after its run had finished"
   _finish(workdir)
   path, weights = _weights(workdir)
   assert path.endswith("ckpt-30")

@@ -24,7 +24,6 @@ import per_example_helpers as h
 from trainer import collectives
 from trainer import strategies
 from trainer import per_example
-from trainer.per_example import kernels
 
 L = keras.layers
 KEYS = ("count", "grad_norm", "mean_norm", "mean_sq_norm", "trace", "variance", "diversity",
@@ -78,21 +77,6 @@ def test_ghost_statistics_equal_materialised_default_strategy(name, layer_method
   ours = tf.function(lambda b: per_example.ghost_statistics(
       model, h.xent, b, layer_method=layer_method))(batch)
   _assert_stats_equal(ours, _oracle(model, batch), f"{name}/{layer_method}")
-
-
-@pytest.mark.parametrize("layer_method", ["auto", "materialize"])
-def test_ghost_statistics_in_eigen_layout_equal_materialised_in_onednn_layout(layer_method,
-                                                                              monkeypatch):
-  # conv_mix's first Conv2D (3 channels) and its Conv2DTranspose (3 filters) take the
-  # few-channel piece, whose layout follows the kernels (trainer/per_example/kernels.py).
-  make_model, make_batch = MODELS["conv_mix"]
-  model, batch = make_model(), make_batch(24)
-  monkeypatch.setattr(kernels, "eigen_cpu", lambda: False)
-  ref = _oracle(model, batch)
-  monkeypatch.setattr(kernels, "eigen_cpu", lambda: True)
-  ours = tf.function(lambda b: per_example.ghost_statistics(
-      model, h.xent, b, layer_method=layer_method))(batch)
-  _assert_stats_equal(ours, ref, f"eigen layout/{layer_method}")
 
 
 def test_layer_method_ghost_and_auto_choose_as_documented():

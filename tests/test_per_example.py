@@ -22,8 +22,6 @@ import tensorflow as tf
 
 import per_example_helpers as h
 from trainer.per_example import Recorder
-from trainer.per_example import conv as conv_lib
-from trainer.per_example import kernels
 from trainer.per_example import per_example_gradients
 
 L = keras.layers
@@ -144,38 +142,6 @@ def test_matches_single_example_loop_and_sums_to_batch_gradient(name, size):
   keras.utils.set_random_seed(1)
   model = MODELS[name]()
   _check_against_loop_and_batch_gradient(model, _batch_for(model, size), name)
-
-
-# Convolutions with at most 4 input channels (patches of x) or filters (transposed: patches of
-# dz) get one piece whose layout follows the kernels (trainer/per_example/kernels.py); the suite
-# runs with oneDNN on, so the Eigen layout is forced here.
-FEW_CHANNEL_CONVS = ("conv_same", "conv_valid_s2", "conv_same_s2", "conv_dil2_same",
-                     "conv_dil2_valid", "conv1d_causal_dil2", "conv1d_same_s2", "conv3d_same_s2",
-                     "conv2d_transpose_same_s2", "conv1d_transpose_valid_s2")
-
-
-@pytest.mark.parametrize("eigen_layout", [True, False])
-@pytest.mark.parametrize("name", FEW_CHANNEL_CONVS)
-def test_few_channel_convolutions_match_loop_in_both_kernel_layouts(name, eigen_layout,
-                                                                   monkeypatch):
-  monkeypatch.setattr(kernels, "eigen_cpu", lambda: eigen_layout)
-  keras.utils.set_random_seed(1)
-  model = MODELS[name]()
-  conv = model.layers[0]
-  assert min(conv.kernel.shape[-2:]) <= conv_lib.ONE_PIECE_MAX_CHANNELS, name
-  _check_against_loop_and_batch_gradient(model, _batch_for(model, 7), f"{name} eigen={eigen_layout}")
-  graph = tf.function(lambda b: per_example_gradients(model, _xent, b)).get_concrete_function(
-      _batch_for(model, 7)).graph
-  unfolding = [op for op in graph.get_operations()
-               if op.type in ("Conv2D", "Conv3D") and _constant(op.inputs[1])]
-  assert bool(unfolding) != eigen_layout, (name, [op.name for op in unfolding])
-
-
-def _constant(tensor):
-  """Whether `tensor` is a constant, seen through ExpandDims (how Conv1D reaches Conv2D)."""
-  while tensor.op.type in ("ExpandDims", "Identity"):
-    tensor = tensor.op.inputs[0]
-  return tensor.op.type == "Const"
 
 
 def test_mixed_float16_layers_get_their_terms_and_match_the_loop():
@@ -378,11 +344,9 @@ def test_layers_inside_recurrent_and_time_distributed_loops_take_the_general_pat
   with pytest.raises(ValueError, match="called in a loop by RNN"):
     Recorder(model, general_path="error")
   batch = _batch_for(model, 4)
-  ref = _loop_grads(model, _xent, batch, model.trainable_variables)
-  for path in ("vectorized_map", "loop"):
-    traced = tf.function(lambda b, path=path: per_example_gradients(
-        model, _xent, b, general_path=path))(batch)
-    _assert_close_rel(traced, ref, 1e-5, f"rnn/time-distributed, {path}")
+  traced = tf.function(lambda b: per_example_gradients(model, _xent, b))(batch)
+  _assert_close_rel(traced, _loop_grads(model, _xent, batch, model.trainable_variables), 1e-5,
+                    "rnn/time-distributed")
 
 
 def test_a_covered_layer_called_inside_a_nested_loop_is_refused_in_one_line():
@@ -410,13 +374,11 @@ def test_vectorized_map_that_pfor_cannot_convert_runs_the_loop_instead(caplog):
   model = keras.Model(ids, L.Dense(3)(L.LSTM(3)(L.Embedding(10, 4, mask_zero=True)(ids))))
   batch = (tf.constant([[1, 2, 3, 0, 0, 0], [4, 5, 0, 0, 0, 0], [1, 1, 1, 1, 1, 2],
                         [7, 0, 0, 0, 0, 0]]), tf.constant([0, 1, 2, 1]))
-  ref = _loop_grads(model, _xent, batch, model.trainable_variables)
-  with caplog.at_level("WARNING"):
-    eager = per_example_gradients(model, _xent, batch)
+  with caplog.at_level("WARNING"):  # Traced (eagerly the attempt is traced the same way).
     traced = tf.function(lambda b: per_example_gradients(model, _xent, b))(batch)
   assert "running general_path='loop' instead" in caplog.text
-  _assert_close_rel(eager, ref, 1e-5, "fallback eager")
-  _assert_close_rel(traced, ref, 1e-5, "fallback traced")
+  _assert_close_rel(traced, _loop_grads(model, _xent, batch, model.trainable_variables), 1e-5,
+                    "fallback")
 
 
 def test_dropout_with_seed_sums_to_batch_gradient_of_same_forward():

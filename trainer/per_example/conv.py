@@ -27,7 +27,6 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from trainer.per_example import kernels
 from trainer.per_example import terms
 
 L = keras.layers
@@ -98,10 +97,9 @@ def unfold(x, geom, out_sizes):
 def filter_grad_blocks(inputs, out_grads, geom, bias_row=False):
   """Per-example sum_p patches(inputs)_p^T out_grads_p (channels_last), as row-major pieces.
 
-  Yields [B, n] float32 pieces: with few input channels one piece [B, taps * C * O] (on oneDNN
-  or an accelerator one matmul over all patches, see `_unfolded_by_conv`; on Eigen's CPU kernels
-  `_tap_products`, see kernels.py), else one [B, C * O] piece per kernel tap (one batched matmul
-  each). A generator: each tap's slice is taken when the consumer asks for it,
+  Yields [B, n] float32 pieces: with few input channels one piece [B, taps * C * O] (one matmul
+  over all patches, see `_unfolded_by_conv`), else one [B, C * O] piece per kernel tap (one
+  batched matmul each). A generator: each tap's slice is taken when the consumer asks for it,
   inside the consumer's control dependencies, so a consumer can bound how many taps are alive.
   With `bias_row` (only with few channels, see `one_piece`), the piece has O more columns at
   its end: sum_p out_grads_p, the bias gradient, from a patch channel of ones in the same matmul.
@@ -110,9 +108,6 @@ def filter_grad_blocks(inputs, out_grads, geom, bias_row=False):
   out_sizes = spatial_sizes(out_grads)
   steps = positions(out_grads)
   g3 = terms.rows(out_grads, [steps, filters])
-  if one_piece(inputs) and kernels.eigen_cpu():
-    yield _tap_products(inputs, g3, geom, out_sizes, bias_row)
-    return
   if one_piece(inputs):
     width = math.prod(geom.kernel_size) * channels + int(bias_row)
     patches = _unfolded_by_conv(inputs, geom, out_sizes, bias_row)
@@ -129,27 +124,6 @@ def filter_grad_blocks(inputs, out_grads, geom, bias_row=False):
 def one_piece(inputs) -> bool:
   """Whether `filter_grad_blocks` makes one piece (few input channels) rather than one per tap."""
   return inputs.shape[-1] <= ONE_PIECE_MAX_CHANNELS
-
-
-def _tap_products(inputs, g3, geom, out_sizes, bias_row):
-  """`filter_grad_blocks`' one piece in Eigen's fast layout: per kernel tap, the products
-  [B, C, 1, T] x [B, 1, T, O] (a dimension of 1, so TF shards them over the batch, kernels.py),
-  then with `bias_row` sum_p g3_p; concatenated in the same (tap, channel, filter) order. No
-  unfolded input is formed, only one tap's [B, T, C] slice at a time. (B = 128 on 2 cores, Eigen:
-  the small CNN's first Conv2D 8.0 ms against 15.9 for the unfolded matmul; 3 channels at 32x32
-  17.6 against 37.3. On oneDNN the unfolded matmul is the faster by as much.)"""
-  channels, filters = inputs.shape[-1], g3.shape[-1]
-  grads = g3[:, None]  # [B, 1, T, O], broadcast over the channels.
-  parts = []
-  for tap in shifted(inputs, geom, out_sizes):
-    lhs = terms.rows(tap, [g3.shape[1], channels])  # [B, T, C]
-    if channels > 1:
-      lhs = tf.transpose(lhs, [0, 2, 1])
-    lhs = terms.rows(lhs, [channels, 1, g3.shape[1]])
-    parts.append(terms.rows(tf.matmul(lhs, grads), [channels * filters]))
-  if bias_row:
-    parts.append(tf.reduce_sum(g3, axis=1))
-  return tf.concat(parts, axis=1)
 
 
 def _unfolded_by_conv(x, geom, out_sizes, ones_channel=False):

@@ -1,19 +1,17 @@
-"""Which CPU kernels TensorFlow runs here, for the formulas whose fastest layout depends on it.
+"""Which CPU kernels TensorFlow runs here: oneDNN's or Eigen's. The per-example terms' speed
+depends on it.
 
 TensorFlow 2.20 on x86 runs its oneDNN kernels by default only on CPUs with AVX-512 class
 features (AMD Zen 4, Intel Cascade Lake and newer); elsewhere (AVX2-only CPUs such as AMD
-Zen 1-3), and wherever `TF_ENABLE_ONEDNN_OPTS=0`, it runs Eigen's. The two differ most on
-batched products of many small matrices: TF's Eigen `BatchMatMul` splits EACH product over the
-thread pool once it exceeds 128 x 128 multiply-adds, so a batch of 128 small products pays the
-pool's hand-off 128 times, while a product with a dimension of 1 is sharded over the batch
-(one thread per product, no hand-off). The per-example kernel gradient of a convolution with few
-input channels is therefore faster on Eigen as one [1, T] x [T, O] product per kernel tap and
-channel, and faster on oneDNN as one [T, taps * C] x [T, O] product over all patches (2x either
-way on 2 cores, B = 128; docs/benchmarks.md). Every layout gives the same numbers; only speed
-depends on this choice.
+Zen 1-3), and wherever `TF_ENABLE_ONEDNN_OPTS=0`, it runs Eigen's. The per-example convolution
+terms are batched products of many small matrices, and TF's Eigen `BatchMatMul` splits EACH of
+them over the thread pool once it exceeds 128 x 128 multiply-adds: the small CNN's 9 kernel taps
+of [121, 32]^T x [121, 64] take 24 ms there against 15 for its batch `Conv2DBackpropFilter`
+(B = 128, 2 cores), so ghost statistics cost 1.4x a batch gradient instead of 1.05x with
+oneDNN (docs/benchmarks.md). Every formula gives the same numbers on either; only speed differs.
 
-Python only: read while tracing, cached for the process (the kernels are fixed once TensorFlow
-is imported). Tests replace `eigen_cpu` to exercise both layouts whatever the host.
+Used for the trainer's warning and the benchmarks' rows. Python only, cached for the process
+(the kernels are fixed once TensorFlow is imported).
 """
 import functools
 
