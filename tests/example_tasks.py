@@ -126,7 +126,7 @@ class WithDropout(NoMetrics):
                              keras.layers.Dropout(0.5), keras.layers.Dense(2)])
 
 
-class _PerStepDense(keras.layers.Layer):
+class PerStepDense(keras.layers.Layer):
   """A Dense applied to each of 3 steps of 4 features by tf.map_fn (a loop in the forward)."""
 
   def __init__(self, **kwargs):
@@ -142,4 +142,4 @@ class LoopedDense(NoMetrics):
   """The MLP behind a layer that calls a Dense inside tf.map_fn."""
 
   def build_model(self):
-    return keras.Sequential([keras.Input((12,)), _PerStepDense(), keras.layers.Dense(2)])
+    return keras.Sequential([keras.Input((12,)), PerStepDense(), keras.layers.Dense(2)])

@@ -7,6 +7,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -69,6 +70,9 @@ def test_kill_9_at_random_points_then_resume_bitwise(tmp_path):
     for line in proc.stderr:
       if "training until step" in line or time.time() > deadline:
         break
+    # Keep reading: a full pipe would block the trainer where it writes its log.
+    drain = threading.Thread(target=proc.stderr.read, daemon=True)
+    drain.start()
     time.sleep(rng.uniform(0.0, 1.5))
     if proc.poll() is None:
       killed += 1
@@ -77,6 +81,7 @@ def test_kill_9_at_random_points_then_resume_bitwise(tmp_path):
       # workdir lock, and the next run failed with "in use by a live run": end the group.
       os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
+    drain.join(timeout=30)
     proc.stderr.close()
     latest = tf.train.latest_checkpoint(str(workdir / "checkpoints"))
     if latest:

@@ -207,6 +207,26 @@ def test_general_path_variables_are_materialised_or_refused():
     per_example.ghost_norms(rec, tape.gradient(tf.reduce_sum(losses), rec.outputs))
 
 
+@pytest.mark.parametrize("path", ["vectorized_map", "loop"])
+def test_general_path_variables_on_mirrored_two_replicas_equal_the_oracle(path):
+  # The general path runs its own tf.function inside the replica function of strategy.run.
+  strategy = strategies.mirrored_strategy(["/cpu:0", "/cpu:1"])
+  with strategy.scope():
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), L.Dense(4, activation="tanh"), h.Scale(),
+                              L.Dense(3)])
+  batch = h.batch_for(model, 8)
+  ghost_step, dist = _mirrored_step(strategy, model, batch, lambda m, b: (
+      per_example.ghost_statistics(m, h.xent, b, general_path=path)))
+  oracle_step, _ = _mirrored_step(strategy, model, batch, _oracle)
+  ours, ref = ghost_step(dist), oracle_step(dist)
+  for replica in range(2):
+    pick = lambda stats: {k: strategy.experimental_local_results(v)[replica]
+                          for k, v in stats.items()}
+    _assert_stats_equal(pick(ours), pick(ref), f"{path} replica {replica}")
+  assert float(ours["count"].values[0]) == 8.0
+
+
 def test_traced_ghost_statistics_never_forms_batch_by_parameters():
   # No tensor in the traced graph holds B x (parameters of a ghost variable): with `auto` the
   # Embedding's [B, 1000, 32] is never formed; with `ghost` no kernel's per-example gradient is.

@@ -55,6 +55,12 @@ def test_one_example_leaves_covariance_estimates_undefined_and_the_rest_exact():
   np.testing.assert_allclose([s["count"], s["grad_norm"], s["mean_norm"], s["diversity"]],
                              [1.0, 5.0, 5.0, 1.0], rtol=1e-6)
   np.testing.assert_allclose(s["cosines"], [1.0], rtol=1e-6)
+  # The sums as rounding may leave them (sum of squares a hair above |G|^2): 0+/0 gave +inf.
+  sums = tf.constant([25.000002, 5.0, 5.0, 1.0, 25.000002])
+  rounded = statistics.statistics_from_sums(sums, tf.constant(25.0), num_small_batches=1,
+                                            num_parameters=2)
+  for key in ("trace", "variance", "gns", "gns_s", "gns_g2", "gns_example"):
+    assert np.isnan(rounded[key].numpy()), (key, rounded[key])
 
 
 def test_moments_match_numpy():

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import example_tasks
 import per_example_helpers as h
 from trainer.per_example import Recorder
 from trainer.per_example import per_example_gradients
@@ -180,7 +181,7 @@ def test_conv_mix_direct_matches_loop_and_sums_to_batch_gradient(size):
 
 def test_transformer_b64_default_path_and_loop_path_survive_onednn_in_subprocess():
   # The old general path killed the process here (SIGSEGV, exit 139 / -11): run it apart.
-  # oneDNN on, as TF's default on AVX-512 CPUs (set here too, whatever the host's default).
+  # oneDNN on, as TF's default on CPUs with AVX512-VNNI (set here too, whatever the host's default).
   env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="0",
              PYTHONPATH=os.path.dirname(HERE))
   done = subprocess.run([sys.executable, os.path.join(HERE, "per_example_worker.py")],
@@ -321,37 +322,29 @@ class _DenseCell(L.Layer):
     return h, [h]
 
 
-class _PerStepDense(L.Layer):
-  """A Dense applied to each time step by tf.map_fn (a loop the recording cannot see into)."""
-
-  def __init__(self, **kwargs):
-    super().__init__(**kwargs)
-    self.dense = L.Dense(3)
-
-  def call(self, x):
-    return tf.transpose(tf.map_fn(self.dense, tf.transpose(x, [1, 0, 2])), [1, 0, 2])
-
-
-def test_layers_inside_recurrent_and_time_distributed_loops_take_the_general_path():
+def test_layers_inside_a_recurrent_loop_take_the_general_path_and_time_distributed_does_not():
+  # The RNN calls its cell's Dense layers in a tf.while_loop: general path. TimeDistributed over
+  # a static number of steps calls its Dense in a Python loop: recorded, direct path.
   keras.utils.set_random_seed(1)
   inputs = keras.Input((5, 4))
   rnn, per_step = L.RNN(_DenseCell(3)), L.TimeDistributed(L.Dense(2))
   model = keras.Model(inputs, L.Dense(3)(L.Concatenate()([rnn(inputs),
                                                           L.Flatten()(per_step(inputs))])))
   recorder = Recorder(model)
-  looped = {id(v) for v in rnn.trainable_variables + per_step.trainable_variables}
-  assert {id(v) for v in recorder.general_variables} == looped
+  assert {id(v) for v in recorder.general_variables} == {id(v) for v in rnn.trainable_variables}
   with pytest.raises(ValueError, match="called in a loop by RNN"):
     Recorder(model, general_path="error")
-  batch = _batch_for(model, 4)
-  traced = tf.function(lambda b: per_example_gradients(model, _xent, b))(batch)
-  _assert_close_rel(traced, _loop_grads(model, _xent, batch, model.trainable_variables), 1e-5,
-                    "rnn/time-distributed")
+  unrolled = keras.Model(inputs, L.Dense(3)(L.RNN(_DenseCell(3), unroll=True)(inputs)))
+  assert not Recorder(unrolled).general_variables
+  for m, name in ((model, "rnn/time-distributed"), (unrolled, "unrolled rnn")):
+    batch = _batch_for(m, 4)
+    traced = tf.function(lambda b, m=m: per_example_gradients(m, _xent, b))(batch)
+    _assert_close_rel(traced, _loop_grads(m, _xent, batch, m.trainable_variables), 1e-5, name)
 
 
 def test_a_covered_layer_called_inside_a_nested_loop_is_refused_in_one_line():
   keras.utils.set_random_seed(1)
-  model = keras.Sequential([keras.Input((5, 4)), _PerStepDense(), L.Flatten(), L.Dense(3)])
+  model = keras.Sequential([keras.Input((12,)), example_tasks.PerStepDense(), L.Dense(3)])
   batch = _batch_for(model, 4)
   with pytest.raises(ValueError) as info:
     tf.function(lambda b: per_example_gradients(model, _xent, b), autograph=False)(batch)
@@ -376,9 +369,23 @@ def test_vectorized_map_that_pfor_cannot_convert_runs_the_loop_instead(caplog):
                         [7, 0, 0, 0, 0, 0]]), tf.constant([0, 1, 2, 1]))
   with caplog.at_level("WARNING"):  # Traced (eagerly the attempt is traced the same way).
     traced = tf.function(lambda b: per_example_gradients(model, _xent, b))(batch)
-  assert "running general_path='loop' instead" in caplog.text
+  assert "ran general_path='loop' instead" in caplog.text
   _assert_close_rel(traced, _loop_grads(model, _xent, batch, model.trainable_variables), 1e-5,
                     "fallback")
+
+
+def test_an_error_of_the_users_loss_on_the_general_path_is_raised_not_retried_as_a_loop(caplog):
+  model = _scaled_dense_model()  # Its Scale layer takes the general path.
+  batch = _batch_for(model, 4)
+
+  def fails_on_one_example(m, b):  # The general path calls the loss on batches of one.
+    if b[0].shape[0] == 1:
+      raise ValueError("the user's loss failed")
+    return _xent(m, b)
+
+  with caplog.at_level("WARNING"), pytest.raises(ValueError, match="the user's loss failed"):
+    tf.function(lambda b: per_example_gradients(model, fails_on_one_example, b))(batch)
+  assert "general_path='loop'" not in caplog.text
 
 
 def test_dropout_with_seed_sums_to_batch_gradient_of_same_forward():

@@ -115,30 +115,34 @@ def test_mixed_precision_update_with_statistics_on_every_update_equals_the_tape(
   recorded layers' update gradient IS the sum of those terms (a lost term was a zero gradient:
   the layer silently stopped training)."""
   moved = {}
-  for every in (1, 0):
-    overrides = dict({"model": "small_cnn", "mixed_precision": precision, "optimizer.name": "sgd",
+  for every, policy in ((1, precision), (0, precision), (0, "float32")):
+    overrides = dict({"model": "small_cnn", "mixed_precision": policy, "optimizer.name": "sgd",
                       "optimizer.learning_rate": 0.1, "per_example.every_steps": every,
                       "accumulation.steps": 2, "train_steps": 2,
                       # Small enough that TF's float16 kernel gradients do not overflow (at
                       # 2^15 the tape's run skipped an update the terms' float32 sums kept).
                       "loss_scale.initial": 16.0})
-    strategy, trainer = helpers.build(helpers.tiny_config(**overrides), tmp_path / str(every))
+    strategy, trainer = helpers.build(helpers.tiny_config(**overrides),
+                                      tmp_path / f"{every}_{policy}")
     initial, _ = helpers.snapshot(strategy, trainer)
     trainer.train(tf.constant(2))
     assert trainer.gradients_from_statistics_traced == (every == 1)
     assert int(trainer.skipped_updates.numpy()) == 0
     after, _ = helpers.snapshot(strategy, trainer)
-    moved[every] = [a - b for a, b in zip(after, initial)]
-  for k, (fast, tape) in enumerate(zip(moved[1], moved[0])):
-    scale = float(np.max(np.abs(tape)))
+    moved[every, policy] = [a - b for a, b in zip(after, initial)]
+  for k, (fast, tape, exact) in enumerate(zip(moved[1, precision], moved[0, precision],
+                                              moved[0, "float32"])):
+    scale = float(np.max(np.abs(exact)))
     assert scale > 0, f"variable {k} did not move"
     # The terms compute in float32 from the low-precision output gradients, TF's own kernel
-    # gradients in the low precision: they agree to its rounding (measured on one batch of
-    # this model: within 0.2% float16, 5% bfloat16, each as far from a float32 model's
-    # gradient as the other). A lost term is a 100% difference.
-    rel = 0.2 if precision == "mixed_bfloat16" else 0.03
-    error = float(np.max(np.abs(fast - tape)))
-    assert error <= rel * scale, (k, precision, error / scale)
+    # gradients in the low precision: both are off the float32 run by the precision's rounding
+    # (measured on one batch of this model: up to 8% float16, 14% bfloat16 of the largest
+    # step, more on some CPUs' kernels than others), and the terms must be no further off
+    # than the tape. A lost term is 100% off.
+    fast_error = float(np.max(np.abs(fast - exact))) / scale
+    tape_error = float(np.max(np.abs(tape - exact))) / scale
+    assert fast_error <= 1.5 * tape_error + 1e-4, (k, precision, fast_error, tape_error)
+    assert float(np.max(np.abs(fast - tape))) <= 0.5 * scale, (k, precision)
 
 
 def test_a_layer_called_inside_a_loop_of_the_forward_is_one_config_error(tmp_path):
@@ -149,6 +153,7 @@ def test_a_layer_called_inside_a_loop_of_the_forward_is_one_config_error(tmp_pat
   message = str(info.value)
   assert message.startswith("`per_example.every_steps`=1: per_example: Dense '"), message
   assert "nested function or loop" in message and "\n" not in message
+  assert message.endswith("; set it to 0 for this model"), message  # No library-caller advice.
 
 
 @pytest.mark.parametrize("model,warned", [("small_cnn", True), ("mlp", False)])
@@ -157,4 +162,4 @@ def test_statistics_on_eigen_kernels_warn_once_for_models_with_convolutions(
   monkeypatch.setattr(kernels, "eigen_cpu", lambda: True)
   with caplog.at_level("WARNING"):
     helpers.build(helpers.tiny_config(**{"model": model, "per_example.every_steps": 1}), tmp_path)
-  assert ("TF_ENABLE_ONEDNN_OPTS=1" in caplog.text) == warned, caplog.text
+  assert caplog.text.count("TF_ENABLE_ONEDNN_OPTS=1") == int(warned), caplog.text

@@ -70,12 +70,16 @@ class UpdateStatistics:
     convolutions = [layer.name for layer, _ in self.recorder.layers
                     if isinstance(layer, per_example_conv.COVERED)]
     if convolutions and per_example_kernels.eigen_cpu():
+      caveat = ("" if not self.recorder.general_indices else
+                " and per_example.general_path=loop (pfor through MultiHeadAttention crashes "
+                "with oneDNN on)")
       logging.warning(
           "per_example.every_steps=%d with TensorFlow's oneDNN kernels off (TF 2.20's default "
-          "on x86 CPUs without AVX-512): the per-example terms of the convolutions (%s) run on "
-          "Eigen's batched matrix products, which makes statistics updates markedly slower "
-          "(docs/per_example.md, 'Speed depends on oneDNN'); for speed, start the job with "
-          "TF_ENABLE_ONEDNN_OPTS=1", self.every, ", ".join(convolutions))
+          "on x86 CPUs without AVX512-VNNI/BF16, AVX-VNNI or AMX): the per-example terms of the "
+          "convolutions (%s) run on Eigen's batched matrix products, which makes statistics "
+          "updates markedly slower (docs/per_example.md, 'Speed depends on oneDNN'); for speed, "
+          "start the job with TF_ENABLE_ONEDNN_OPTS=1%s", self.every, ", ".join(convolutions),
+          caveat)
     self._task = task
     self.num_sums = 2 * len(self.recorder.variables) + 3
     self._small_batches = num_replicas * accumulation_steps
@@ -127,8 +131,8 @@ class UpdateStatistics:
       with self.recorder.record(tape) as rec:
         yield rec
     except per_example.Refused as e:
-      raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {e}; set it to 0 "
-                               "for this model") from None
+      raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {e.reason}; set it to "
+                               "0 for this model") from None
 
   def active(self, global_step):
     """Whether this update writes statistics (a bool tensor)."""

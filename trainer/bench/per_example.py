@@ -30,9 +30,10 @@ row with `error` set instead of times.
 Memory: `peak_rss_mib` is the subprocess' ru_maxrss; `rss_growth_mib` is that peak minus the
 RSS measured after the model and data were built and before the method's first call.
 Every row records `cpu` and `onednn` (whether TensorFlow's oneDNN kernels were on in the
-measuring process): TF 2.20 turns them on by default only on AVX-512 class x86 CPUs, and the
-ratios differ between the two (docs/benchmarks.md). `--onednn=on|off` sets TF_ENABLE_ONEDNN_OPTS
-for the measurement processes; `default` leaves TensorFlow's choice.
+measuring process): TF 2.20 turns them on by default only on x86 CPUs with AVX512-VNNI/BF16,
+AVX-VNNI or AMX, and the ratios differ between the two (docs/benchmarks.md).
+`--onednn=on|off` sets TF_ENABLE_ONEDNN_OPTS for the measurement processes; `default` leaves
+TensorFlow's choice.
 `--plot FILE` draws median time / batch_gradient against B, one line per method, one panel per
 model (needs matplotlib).
 """

@@ -19,7 +19,7 @@ def onednn_env(choice: str) -> dict:
   """Environment for measurement processes that sets TensorFlow's oneDNN kernels on or off.
 
   `default` ({}) leaves TensorFlow's own choice: in TF 2.20 oneDNN is on by default only on x86
-  CPUs with AVX-512 class features (e.g. AMD Zen 4), off on AVX2-only ones (e.g. AMD Zen 3),
+  CPUs with AVX512-VNNI/BF16, AVX-VNNI or AMX (e.g. AMD Zen 4), off on others (e.g. AMD Zen 3),
   which changes kernel speeds by up to 3x and which method is fastest. The variable only acts
   in a process that has not imported TensorFlow yet.
   """

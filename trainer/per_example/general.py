@@ -8,7 +8,8 @@
   MultiHeadAttention at B >= 2. Models built from the layers of `layers.py` and `conv.py` never
   get here. Where pfor cannot convert the function at all (it raises while tracing, e.g. an
   LSTM over a masked Embedding: "`dtype` variant is not compatible"), the `loop` below runs
-  instead, with a logged warning.
+  instead, with a logged warning; an error of the function itself (the user's loss) is raised
+  as the loop raises it.
 * `loop`: a compiled `tf.while_loop` over the examples, each iteration one example's
   GradientTape. Slower (B small forward/backward passes) but nothing is vectorized, so no crash.
   Called eagerly, the loop is wrapped in a `tf.function` (traced on every call).
@@ -35,6 +36,10 @@ class Refused(ValueError):
   """
   _keras_call_info_injected = True
   ag_pass_through = True
+
+  def __init__(self, message, reason=None):
+    super().__init__(message)
+    self.reason = reason or message  # Without the advice meant for the library's callers.
 
 
 # Library code has no tensor-dependent Python control flow: it runs without AutoGraph (tracing
@@ -107,26 +112,32 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     return tf.vectorized_map(
         lambda e: one_example(tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), e)), batch)
 
-  if general_path == "vectorized_map":
-    try:  # In a function of its own: a conversion that fails while tracing leaves no ops in the
-      # caller's graph (a failed pfor's stateful leftovers would still run there).
-      return tf.function(vectorized, autograph=False)(batch)
-    except Refused:
-      raise
-    except (TypeError, ValueError, NotImplementedError) as e:  # pfor could not convert it.
-      first = (str(e).strip().splitlines() or [""])[-1][:300]
-      logging.warning("per_example: tf.vectorized_map could not vectorize the general path "
-                      "(%s: %s); running general_path='loop' instead", type(e).__name__, first)
-
   def loop(batch):
     size = tf.shape(tf.nest.flatten(batch)[0])[0]
     arrays = [tf.TensorArray(v.dtype, size=size, element_shape=v.shape) for v in variables]
 
     def body(i, arrays):
-      example = tf.nest.map_structure(lambda t: t[i:i + 1], batch)
+      example = tf.nest.map_structure(lambda t: tf.expand_dims(t[i], 0), batch)  # Static [1].
       return i + 1, [a.write(i, g) for a, g in zip(arrays, one_example(example))]
 
     _, arrays = tf.while_loop(lambda i, _: i < size, body, (tf.constant(0), arrays))
     return [a.stack() for a in arrays]
 
-  return tf.function(loop)(batch) if tf.executing_eagerly() else loop(batch)
+  if general_path == "loop":
+    return tf.function(loop)(batch) if tf.executing_eagerly() else loop(batch)
+  try:  # In a function of its own: a conversion that fails while tracing leaves no ops in the
+    # caller's graph (a failed pfor's stateful leftovers would still run there).
+    return tf.function(vectorized, autograph=False)(batch)
+  except (TypeError, ValueError, NotImplementedError) as e:
+    if getattr(e, "ag_pass_through", False):  # A refusal: the loop would repeat it.
+      raise
+    vectorize_error = e
+  # pfor could not convert the function, or the function itself failed (the user's loss, say):
+  # TF's traceback filtering hides which. The loop traces the function without pfor: if that
+  # fails too, its error is the function's own and is raised as it is.
+  stacked = tf.function(loop)(batch)
+  last = (str(vectorize_error).strip().splitlines() or [""])[-1][:300]
+  logging.warning("per_example: tf.vectorized_map could not vectorize the general path "
+                  "(%s: %s); ran general_path='loop' instead", type(vectorize_error).__name__,
+                  last)
+  return stacked

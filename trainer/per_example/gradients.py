@@ -16,6 +16,9 @@ Semantics and limits:
   path runs its own forward passes (one example each) with their own masks.
 * A direct variable must be used only through its layer's `call` (no weight tying through other
   code): contributions made elsewhere are not seen by the direct formulas.
+* Loops in the forward pass: the layers of a recurrent layer that is not unrolled take the
+  general path; a covered layer called inside any other nested graph (tf.cond, tf.map_fn, a
+  tf.function inside the model) raises `Refused` (a one-line ValueError) after the forward.
 * Memory: the result holds B x (number of parameters) floats. `chunk_size` bounds the
   intermediate memory by processing the batch in chunks inside a `tf.while_loop`; the result is
   identical.

@@ -34,17 +34,28 @@ from trainer.per_example import general
 from trainer.per_example import layers
 
 _BN_TYPES = (keras.layers.BatchNormalization,)
-# Wrappers that call their inner layers inside a loop (a tf.while_loop over time steps; a
-# vectorized_map over an unknown number of them): tensors recorded there belong to the loop's
-# body and are not reachable by the caller's backward pass, so their layers go to the general
-# path.
-_LOOPING_WRAPPERS = (keras.layers.RNN, keras.layers.TimeDistributed)
+
+
+def _loops_over_its_layers(layer) -> bool:
+  """Whether `layer` calls its inner layers inside a loop of the graph: a recurrent layer does
+  (a tf.while_loop over the time steps) unless unrolled. The tensors recorded there belong to
+  the loop's body, which the caller's backward pass cannot reach, so those layers go to the
+  general path. (`TimeDistributed` calls its layer in a Python loop when the number of steps is
+  static, which records fine; with an unknown number it maps over them, and the recording
+  refuses it, see `Recording.watch`.)"""
+  return isinstance(layer, keras.layers.RNN) and not layer.unroll
 _MISSING = object()
 LAYER_METHODS = ("auto", "materialize", "ghost")
 
 
-def key(v) -> int:
-  return id(general.unwrap(v))
+def keys(v) -> tuple:
+  """The identities a variable is known by: the object the caller holds and the backend
+  variable behind a Keras variable (callers and layers may hold either)."""
+  return tuple(dict.fromkeys((id(v), id(general.unwrap(v)))))
+
+
+def _find(mapping, v, default=None):
+  return next((mapping[k] for k in keys(v) if k in mapping), default)
 
 
 def flat_layers(model) -> list:
@@ -90,12 +101,13 @@ class Recorder:
     self.variables = list(model.trainable_variables if variables is None else variables)
     self._index = {}
     for i, v in enumerate(self.variables):
-      self._index.setdefault(key(v), i)
+      for k in keys(v):
+        self._index.setdefault(k, i)
     self.layers, covered, reasons = [], set(), {}
     all_layers = flat_layers(model)
     looped = {}
     for wrapper in all_layers:
-      if isinstance(wrapper, _LOOPING_WRAPPERS):
+      if _loops_over_its_layers(wrapper):
         for inner in flat_layers(wrapper)[1:]:
           looped.setdefault(id(inner), wrapper)
     for layer in all_layers:
@@ -106,10 +118,11 @@ class Recorder:
                               f"'{wrapper.name}'")
       if rule is None:
         for v in getattr(layer, "_trainable_variables", []):
-          reasons.setdefault(key(v), f"{type(layer).__name__} '{layer.name}': {reason}")
+          for k in keys(v):
+            reasons.setdefault(k, f"{type(layer).__name__} '{layer.name}': {reason}")
         continue
-      mine = [self._index[key(v)] for v in layers.layer_variables(layer, rule)
-              if key(v) in self._index]
+      mine = [i for i in map(self.index_of, layers.layer_variables(layer, rule))
+              if i is not None]
       if mine:
         self.layers.append((layer, rule))
         covered.update(mine)
@@ -119,24 +132,28 @@ class Recorder:
     self._bn_layers = [l for l in all_layers if isinstance(l, _BN_TYPES)]
     if general_path == "error" and self.general_indices:
       raise ValueError(general.refusal([
-          f"{variable_name(v)} ({reasons.get(key(v), 'not reached through a Keras layer')})"
+          f"{variable_name(v)} ({_find(reasons, v, 'not reached through a Keras layer')})"
           for v in self.general_variables]))
 
   def index_of(self, variable):
-    return self._index.get(key(variable))
+    """The index of `variable` in `variables` (held as a Keras or a backend variable), or None."""
+    return _find(self._index, variable)
 
   @contextlib.contextmanager
   def record(self, tape):
     """Records the forward pass run inside the block; yields the `Recording`.
 
     `tape`: the GradientTape that will differentiate the loss (each output is watched on it).
+    Raises `general.Refused` at the end of the block when a covered layer ran inside a nested
+    function or loop of the forward pass (see `Recording.watch`).
     """
     rec = Recording(self, tape)
     with self.guard(), _patched([(layer, _recording_call(layer, rule, rec))
                                  for layer, rule in self.layers]):
       yield rec
     if rec.refusal:  # Raised here, outside the loop that saw it (see `Recording.watch`).
-      raise general.Refused(rec.refusal)
+      raise general.Refused(f"{rec.refusal} (call it outside the loop, or leave its variables "
+                            "out of `variables`)", reason=rec.refusal)
 
   def differentiate(self, loss_fn, batch):
     """Records one batch forward of `loss_fn` and differentiates sum(losses) in ONE backward.
@@ -209,8 +226,7 @@ class Recording:
       self.refusal = self.refusal or (
           f"per_example: {name} is called inside a nested function or loop of the forward pass "
           "(tf.while_loop, tf.cond, vectorized_map, or a tf.function inside the model), where "
-          "its per-example gradients cannot be recorded (call it outside the loop, or leave "
-          "its variables out of `variables`)")
+          "its per-example gradients cannot be recorded")
       self.outputs.append(tensor)  # Never differentiated: the recording raises at its end.
       return len(self.outputs) - 1
     if self._tape is not None:
