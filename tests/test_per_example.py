@@ -360,6 +360,39 @@ def test_a_covered_layer_called_inside_a_nested_loop_is_refused_in_one_line():
                     _loop_grads(model, _xent, batch, model.trainable_variables), 1e-5, "eager")
 
 
+class _MappedDense(L.Layer):
+  """A Dense applied to each time step by tf.vectorized_map: traced, pfor builds the map's body
+  in the caller's graph (not in a nested one) and then rewrites it."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = L.Dense(2)
+
+  def build(self, shape):
+    self.dense.build((None, shape[-1]))
+
+  def call(self, x):
+    return tf.transpose(tf.vectorized_map(self.dense, tf.transpose(x, [1, 0, 2])), [1, 0, 2])
+
+
+def test_a_covered_layer_inside_a_traced_vectorized_map_is_refused_not_given_zeros():
+  # Both gave the mapped Dense all-zero per-example gradients, with no error, when traced.
+  keras.utils.set_random_seed(1)
+  inputs = keras.Input((None, 4))
+  mapped = keras.Model(inputs, L.Dense(3)(L.GlobalAveragePooling1D()(_MappedDense()(inputs))))
+  # Keras' TimeDistributed over an unknown number of steps maps with vectorized_map.
+  per_step = keras.Model(inputs, L.Dense(3)(L.GlobalAveragePooling1D()(
+      L.TimeDistributed(L.Dense(2))(inputs))))
+  spec = [(tf.TensorSpec([None, None, 4]), tf.TensorSpec([None], tf.int32))]
+  rng = np.random.default_rng(0)
+  batch = (tf.constant(rng.normal(size=(5, 5, 4)), tf.float32), tf.constant([0, 1, 2, 1, 0]))
+  for model in (mapped, per_step):
+    traced = tf.function(lambda b, m=model: per_example_gradients(m, _xent, b),
+                         input_signature=spec)
+    with pytest.raises(ValueError, match=r"^per_example: Dense '.*nested function or loop"):
+      traced(batch)
+
+
 def test_vectorized_map_that_pfor_cannot_convert_runs_the_loop_instead(caplog):
   # An LSTM over a masked Embedding: pfor raises while converting (a TensorList `variant`).
   keras.utils.set_random_seed(1)

@@ -66,6 +66,14 @@ def refusal(descriptions) -> str:
           "'vectorized_map', or pass `variables` without them.")
 
 
+def _example_at(i):
+  """Slices example `i` of a batch tensor as a batch of one: dense tensors with a static first
+  dimension of 1 (as `tf.vectorized_map` gives them), ragged ones as ragged."""
+  def example(t):
+    return t[i:i + 1] if isinstance(t, tf.RaggedTensor) else tf.expand_dims(t[i], 0)
+  return example
+
+
 def check_losses(losses):
   """The [B] per-example losses of a loss_fn, or a ValueError naming the wrong shape."""
   losses = tf.convert_to_tensor(losses)
@@ -117,7 +125,7 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     arrays = [tf.TensorArray(v.dtype, size=size, element_shape=v.shape) for v in variables]
 
     def body(i, arrays):
-      example = tf.nest.map_structure(lambda t: tf.expand_dims(t[i], 0), batch)  # Static [1].
+      example = tf.nest.map_structure(_example_at(i), batch)
       return i + 1, [a.write(i, g) for a, g in zip(arrays, one_example(example))]
 
     _, arrays = tf.while_loop(lambda i, _: i < size, body, (tf.constant(0), arrays))

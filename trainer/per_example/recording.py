@@ -26,6 +26,7 @@ recorded tensors belong to the current trace: use `rec` in the same function (or
 function) that recorded it.
 """
 import contextlib
+import re
 
 import keras
 import tensorflow as tf
@@ -34,6 +35,7 @@ from trainer.per_example import general
 from trainer.per_example import layers
 
 _BN_TYPES = (keras.layers.BatchNormalization,)
+_PFOR_BODY = re.compile(r"loop_body(_\d+)?")  # The name scope of a traced vectorized_map's body.
 
 
 def _loops_over_its_layers(layer) -> bool:
@@ -200,6 +202,7 @@ class Recording:
   def __init__(self, recorder, tape):
     self.recorder = recorder
     self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+    self._scope = "" if self._graph is None else self._graph.get_name_scope()
     self.refusal = ""
     self.outputs = []
     self.terms = {i: [] for i in recorder.direct_indices}
@@ -220,7 +223,7 @@ class Recording:
     caching device on an exception, and a later `strategy.scope()` fails).
     """
     graph = None if isinstance(tensor, tf.__internal__.EagerTensor) else tensor.graph
-    if graph is not self._graph:
+    if graph is not self._graph or (graph is not None and self._in_pfor_body(tensor)):
       layer = self.inside[-1] if self.inside else None
       name = f"{type(layer).__name__} '{layer.name}'" if layer is not None else "a layer"
       self.refusal = self.refusal or (
@@ -235,6 +238,18 @@ class Recording:
       self.batch_size = tf.shape(tensor)[0]
     self.outputs.append(tensor)
     return len(self.outputs) - 1
+
+  def _in_pfor_body(self, tensor) -> bool:
+    """Whether `tensor` was made in the body of a `tf.vectorized_map` begun after the recording.
+
+    Traced, pfor builds its loop body in the caller's own graph, under a `loop_body` name scope,
+    and then rewrites it: the body's tensors are not those the loss depends on, so their
+    gradients would be zero without an error (Keras' `TimeDistributed` over an unknown number
+    of steps, a layer that maps a covered layer over its input).
+    """
+    name = tensor.op.name
+    inner = name[len(self._scope):] if name.startswith(self._scope) else name
+    return any(_PFOR_BODY.fullmatch(part) for part in inner.split("/")[:-1])
 
   def add(self, variable, term) -> None:
     """Registers `term` for `variable` (ignored when the variable is not being differentiated)."""
