@@ -19,6 +19,7 @@ Semantics and limits:
 * Loops in the forward pass: the layers of a recurrent layer that is not unrolled take the
   general path; a covered layer called inside any other nested graph (tf.cond, tf.map_fn, a
   tf.function inside the model) raises `Refused` (a one-line ValueError) after the forward.
+* Precision: direct formulas compute in float32 (float64 variables get float32 accuracy).
 * Memory: the result holds B x (number of parameters) floats. `chunk_size` bounds the
   intermediate memory by processing the batch in chunks inside a `tf.while_loop`; the result is
   identical.
