@@ -2,9 +2,9 @@
 
 * oneDNN on: TensorFlow 2.20 turns its oneDNN kernels on by default only on x86 CPUs with
   AVX512-VNNI/BF16, AVX-VNNI or AMX (e.g. AMD Zen 4, Intel Cascade Lake and newer); on
-  AVX2-only CPUs (e.g. AMD Zen 1-3) its default is off. Users on the newer CPUs get oneDNN, and with it the
-  pfor crash through MultiHeadAttention that the per-example code must survive, so the suite
-  runs with oneDNN on whatever the CI host is. Subprocesses inherit the setting.
+  AVX2-only CPUs (e.g. AMD Zen 1-3) its default is off. Users on the newer CPUs get oneDNN,
+  and with it the pfor crash through MultiHeadAttention that the per-example code must
+  survive, so the suite runs with oneDNN on whatever the CI host is. Subprocesses inherit the setting.
 * Multi-replica tests (MirroredStrategy over 2 logical CPUs) need the CPU split into two logical
   devices, which can only happen once, before TensorFlow initialises its devices.
 """

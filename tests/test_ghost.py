@@ -225,6 +225,11 @@ def test_general_path_variables_on_mirrored_two_replicas_equal_the_oracle(path):
                           for k, v in stats.items()}
     _assert_stats_equal(pick(ours), pick(ref), f"{path} replica {replica}")
   assert float(ours["count"].values[0]) == 8.0
+  # The oracle runs the same general path: the norms (gathered over both replicas, in replica
+  # order) against the loop of single-example tapes too.
+  loop = h.loop_grads(model, h.xent, batch, model.trainable_variables)
+  norms = np.sqrt(sum(np.sum(np.reshape(g, [8, -1]) ** 2, axis=1) for g in loop))
+  np.testing.assert_allclose(ours["norms"].values[0], norms, rtol=1e-5)
 
 
 def test_traced_ghost_statistics_never_forms_batch_by_parameters():

@@ -4,9 +4,9 @@ depends on it.
 TensorFlow 2.20 on Linux x86 runs its oneDNN kernels by default only on CPUs with AVX512-VNNI,
 AVX512-BF16, AVX-VNNI or AMX (AMD Zen 4, Intel Cascade Lake and newer); elsewhere (AVX2-only
 CPUs such as AMD Zen 1-3, and AVX-512 ones without VNNI such as Skylake-SP), and wherever
-`TF_ENABLE_ONEDNN_OPTS=0`, it runs Eigen's. The per-example convolution
-terms are batched products of many small matrices, and TF's Eigen `BatchMatMul` splits EACH of
-them over the thread pool once it exceeds 128 x 128 multiply-adds: the small CNN's 9 kernel taps
+`TF_ENABLE_ONEDNN_OPTS=0`, it runs Eigen's. The per-example convolution terms are batched
+products of many small matrices, and TF's Eigen `BatchMatMul` splits EACH of them over the
+thread pool once it exceeds 128 x 128 multiply-adds: the small CNN's 9 kernel taps
 of [121, 32]^T x [121, 64] take 24 ms there against 15 for its batch `Conv2DBackpropFilter`
 (B = 128, 2 cores), so ghost statistics cost 1.4x a batch gradient instead of 1.05x with
 oneDNN (docs/benchmarks.md). Every formula gives the same numbers on either; only speed differs.

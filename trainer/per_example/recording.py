@@ -46,6 +46,8 @@ def _loops_over_its_layers(layer) -> bool:
   static, which records fine; with an unknown number it maps over them, and the recording
   refuses it, see `Recording.watch`.)"""
   return isinstance(layer, keras.layers.RNN) and not layer.unroll
+
+
 _MISSING = object()
 LAYER_METHODS = ("auto", "materialize", "ghost")
 
