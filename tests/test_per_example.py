@@ -23,7 +23,9 @@ import tensorflow as tf
 import example_tasks
 import per_example_helpers as h
 from trainer.per_example import Recorder
+from trainer.per_example import ghost_statistics
 from trainer.per_example import per_example_gradients
+from trainer.per_example import replica_statistics
 
 L = keras.layers
 _xent = h.xent
@@ -468,3 +470,25 @@ def test_loss_fn_with_tensor_control_flow_is_autographed_when_the_caller_is():
     _assert_close_rel(traced, ref, 1e-5, f"autographed loss_fn, {path}")
   with pytest.raises(TypeError, match="tf.Tensor. as a Python .bool."):
     tf.function(lambda b: per_example_gradients(model, loss_fn, b), autograph=False)(batch)
+
+
+def test_a_model_without_trainable_variables_is_refused_in_one_line():
+  # Unbuilt (no Input, never called) and frozen models used to fail deep inside TensorFlow
+  # (a ConcatV2 of no tensors) or return an empty list.
+  unbuilt = keras.Sequential([L.Dense(4), L.Dense(3)])
+  frozen = MODELS["dense"]()
+  frozen.trainable = False
+  batch = _batch_for(MODELS["dense"](), 4)
+  for model in (unbuilt, frozen):
+    for call in (lambda m: per_example_gradients(m, _xent, batch),
+                 lambda m: ghost_statistics(m, _xent, batch),
+                 lambda m: tf.function(lambda b: ghost_statistics(m, _xent, b),
+                                       autograph=False)(batch)):  # AutoGraph adds its frames.
+      with pytest.raises(ValueError, match=r"^per_example: the model has no trainable variables; "
+                                           r"build it first") as info:
+        call(model)
+      assert "\n" not in str(info.value)
+  with pytest.raises(ValueError, match=r"^per_example: `variables` is empty"):
+    per_example_gradients(MODELS["dense"](), _xent, batch, variables=[])
+  with pytest.raises(ValueError, match=r"^replica_statistics: `variables` is empty"):
+    replica_statistics([], [])

@@ -199,7 +199,8 @@ class Trainer(orbit.StandardTrainer):
                    output_grads=output_grads, loss_scale=self.loss_scale, batch=batch,
                    losses=loss)
     sums, context["terms"] = self.statistics.local_sums(
-        context["active"], recording, output_grads, self.loss_scale, batch, loss)
+        context["active"], recording, output_grads, self.loss_scale, batch, loss,
+        terms_sum_is_gradient=self._gradients_from_statistics and not foreign)
     if foreign and not self._warned_foreign:
       self._warned_foreign = True
       logging.warning("per-example statistics: %s read outside its layer's call (tied "

@@ -22,8 +22,10 @@ How, all traced:
                                            of sums that rides in the accumulation buffers
     the update step (replica context)      the same for the last micro-batch; the sums ride in
                                            the update's ONE packed all-reduce; after it, dots of
-                                           the last micro-batch's examples with G; one
-                                           all_gather of [b, 2] (norms, cosines)
+                                           the last micro-batch's examples with G (one
+                                           replica and k = 1: with the norms, as G is then
+                                           this batch's own sum); one all_gather of [b, 2]
+                                           (norms, cosines)
     the train step (cross-replica)         the summaries, under tf.cond(statistics update)
 
 Added communication: 2V+3 floats in the all-reduce, one all_gather of 2b floats per update.
@@ -66,7 +68,9 @@ class UpdateStatistics:
       self.recorder = per_example.Recorder(model, model.trainable_variables,
                                            general_path=config.per_example.general_path)
     except ValueError as e:
-      raise errors.ConfigError(f"`per_example.general_path`=error: {e}") from None
+      field = ("`per_example.general_path`=error" if config.per_example.general_path == "error"
+               else f"`per_example.every_steps`={self.every}")
+      raise errors.ConfigError(f"{field}: {e}") from None
     convolutions = [layer.name for layer, _ in self.recorder.layers
                     if isinstance(layer, per_example_conv.COVERED)]
     if convolutions and per_example_kernels.eigen_cpu():
@@ -81,6 +85,12 @@ class UpdateStatistics:
           "start the job with TF_ENABLE_ONEDNN_OPTS=1%s", self.every, ", ".join(convolutions),
           caveat)
     self._task = task
+    # One replica, one micro-batch: G is this batch's own sum of g_i up to a positive factor
+    # (normalisation, clipping), so the dots come with the norms (`self_dots`) and no
+    # per-example piece is kept through the all-reduce (the small CNN's convolutions: 9 MiB at
+    # B = 128). Not with general-path variables (their examples draw their own dropout masks)
+    # nor when the update's gradient is not the terms' sum (`local_sums`).
+    self._own_batch_is_update = num_replicas == 1 and accumulation_steps == 1
     self.num_sums = 2 * len(self.recorder.variables) + 3
     self._small_batches = num_replicas * accumulation_steps
     self._num_parameters = sum(int(v.shape.num_elements()) for v in self.recorder.variables)
@@ -138,7 +148,7 @@ class UpdateStatistics:
     """Whether this update writes statistics (a bool tensor)."""
     return tf.equal(global_step % self.every, 0)
 
-  def _terms(self, rec, output_grads, loss_scale, batch, losses):
+  def _terms(self, rec, output_grads, loss_scale, batch, losses, self_dots=False):
     rows = rec.outputs[0].shape[0] if rec.outputs else None
     if rows is not None and losses.shape[0] is not None and rows != losses.shape[0]:
       raise errors.ConfigError(
@@ -152,20 +162,26 @@ class UpdateStatistics:
       general_grads = self.recorder.general_gradients(loss_fn, batch)
     scale = None if loss_scale is None else tf.fill(tf.shape(losses), loss_scale)
     return per_example.ghost_norms(rec, output_grads, general_grads=general_grads,
-                                   example_scale=scale, batch_size=tf.shape(losses)[0])
+                                   example_scale=scale, batch_size=tf.shape(losses)[0],
+                                   self_dots=self_dots)
 
   def _sums(self, terms):
     count = tf.cast(tf.shape(terms.sq_norms)[0], tf.float32)
     small = tf.reduce_sum(tf.square(terms.packed_sums)) / tf.square(tf.maximum(count, 1.0))
     return per_example.local_sums(terms.sq_norms, small)
 
-  def local_sums(self, active, rec, output_grads, loss_scale, batch, losses):
+  def local_sums(self, active, rec, output_grads, loss_scale, batch, losses, *,
+                 terms_sum_is_gradient=False):
     """[2V+3] sums of this replica's micro-batch on a statistics update, else zeros.
 
     Returns (sums, terms): `terms` (for `norms_and_cosines`) only when every update writes.
+    `terms_sum_is_gradient`: the update's gradient is the sum of these terms (no regularisation
+    losses, no tied weights read outside their layer): decided by the trainer while tracing.
     """
     if self.every == 1:
-      terms = self._terms(rec, output_grads, loss_scale, batch, losses)
+      self_dots = (self._own_batch_is_update and terms_sum_is_gradient
+                   and not self.recorder.general_indices)
+      terms = self._terms(rec, output_grads, loss_scale, batch, losses, self_dots=self_dots)
       return self._sums(terms), terms
     return tf.cond(active, lambda: self._sums(self._terms(rec, output_grads, loss_scale, batch,
                                                           losses)),
@@ -175,6 +191,9 @@ class UpdateStatistics:
     """[b, 2] norms and cosines to `grads` (the update's G) of this replica's last micro-batch."""
     def compute(found):
       norms = tf.sqrt(tf.reduce_sum(found.sq_norms, axis=1))
+      if found.self_dots is not None:  # G is a positive multiple of this batch's own sum.
+        return tf.stack([norms, per_example.cosines(found.self_dots, norms,
+                                                    tf.norm(found.packed_sums))], 1)
       dots = found.dots(grads)
       return tf.stack([norms, per_example.cosines(dots, norms, tf.linalg.global_norm(grads))], 1)
     if terms is not None:

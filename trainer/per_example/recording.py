@@ -103,6 +103,11 @@ class Recorder:
     self.general_path = general_path
     self.layer_method = layer_method
     self.variables = list(model.trainable_variables if variables is None else variables)
+    if not self.variables:
+      raise ValueError(
+          "per_example: `variables` is empty; pass the variables to differentiate" if variables
+          is not None else "per_example: the model has no trainable variables; build it first "
+          "(call it once, or start it with keras.Input), unfreeze it, or pass `variables`")
     self._index = {}
     for i, v in enumerate(self.variables):
       for k in keys(v):

@@ -175,6 +175,9 @@ def replica_statistics(per_example_grads: Sequence[tf.Tensor], variables: Sequen
     variables: the matching variables (shapes are checked; the order defines `var_norms`).
     return_batch_grads: also return `batch_grads`, the all-reduced mean gradient G per variable.
   """
+  if not variables:
+    raise ValueError("replica_statistics: `variables` is empty; pass one [b, *var.shape] "
+                     "tensor per variable and the variables.")
   if len(per_example_grads) != len(variables):
     raise ValueError(f"per_example_grads has {len(per_example_grads)} tensors but variables has "
                      f"{len(variables)}; pass one [b, *var.shape] tensor per variable.")
