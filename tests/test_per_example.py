@@ -295,6 +295,14 @@ def test_batchnorm_in_training_mode_is_refused():
   with pytest.raises(ValueError, match="BatchNormalization.*training=True") as info:
     per_example_gradients(model, _xent, batch)
   assert str(info.value).startswith("per_example: ") and "\n" not in str(info.value)
+  # A functional graph built with BN(training=False) still runs it with the model call's
+  # training=True (Keras 3 passes the outer flag down): refused, and the advice says what works.
+  inputs = keras.Input((5,))
+  hidden = L.BatchNormalization()(L.Dense(4)(inputs), training=False)
+  functional = keras.Model(inputs, L.Dense(3)(hidden))
+  with pytest.raises(ValueError, match="set layer.trainable=False, call it with training=False "
+                                       r"\(inside a functional model"):
+    per_example_gradients(functional, _xent, _batch_for(functional, 6))
   # General path too (Scale + BN): refused while tracing the vectorized function.
   emb = keras.Sequential([keras.Input((5,)), h.Scale(), L.BatchNormalization(), L.Dense(3)])
   with pytest.raises(ValueError, match="BatchNormalization"):

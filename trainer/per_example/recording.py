@@ -319,8 +319,9 @@ def _refusing_call(layer, original):
     if layer.trainable and training is not None and (not isinstance(training, bool) or training):
       raise general.Refused(
           f"per_example: BatchNormalization layer '{layer.name}' runs with training=True "
-          "(batch statistics mix examples, so per-example gradients are ill-defined); call it "
-          "with training=False, set layer.trainable=False, or use LayerNormalization/"
+          "(batch statistics mix examples, so per-example gradients are ill-defined); set "
+          "layer.trainable=False, call it with training=False (inside a functional model, Keras "
+          "3 replaces that by the model call's training=True), or use LayerNormalization/"
           "GroupNormalization.")
     return original(*args, **kwargs)
   return call
