@@ -34,8 +34,7 @@ STEPS_PER_EPOCH = 60000 // 128
 
 
 def _config():
-  from configs import fashion_mnist  # pylint: disable=g-import-not-at-top
-  config = fashion_mnist.get_config()
+  config = bench_util.recipe("fashion_mnist")
   config.seed = FLAGS.seed
   config.train_steps = STEPS_PER_EPOCH * FLAGS.epochs
   config.steps_per_loop = STEPS_PER_EPOCH

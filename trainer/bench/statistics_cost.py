@@ -43,11 +43,10 @@ CASES = {"default_k1": ("default", 1), "default_k4": ("default", 4),
 
 def _config(name: str, every: int):
   """The default recipe's config for one case and setting; and the row fields naming them."""
-  from configs import fashion_mnist  # pylint: disable=g-import-not-at-top
   from trainer import config_defaults  # pylint: disable=g-import-not-at-top
   strategy, k = CASES[name]
   real = os.path.isdir(config_defaults.DATA_DIR)
-  config = fashion_mnist.get_config("" if real else "synthetic")
+  config = bench_util.recipe("fashion_mnist", "" if real else "synthetic")
   config.accumulation.steps, config.per_example.every_steps = k, every
   config.steps_per_loop = FLAGS.updates
   if strategy == "mirrored":

@@ -48,6 +48,22 @@ def machine() -> dict:
   return {"cpu": cpu, "onednn": kernels.onednn_on()}
 
 
+def recipe(module: str, arg: str = ""):
+  """`get_config(arg)` of the recipe `configs/<module>.py` of the checkout that holds this
+  package, loaded by path: the benchmarks run from any directory (`configs/` is not an
+  installed package). Eager, host."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  path = os.path.join(root, "configs", f"{module}.py")
+  if not os.path.isfile(path):
+    raise SystemExit(f"trainer.bench: needs the recipe {path} (the benchmarks run from a source "
+                     "checkout, installed with pip install -e)")
+  spec = importlib.util.spec_from_file_location(f"microstep_recipe_{module}", path)
+  loaded = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(loaded)
+  return loaded.get_config(arg)
+
+
 def print_row(row: dict) -> None:
   print(_PREFIX + json.dumps(row), flush=True)
 

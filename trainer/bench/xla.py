@@ -30,9 +30,8 @@ CASES = {
 
 
 def _time_case(name: str, xla: str) -> dict:
-  import importlib  # pylint: disable=g-import-not-at-top
   module, args, k, updates = CASES[name]
-  config = importlib.import_module(f"configs.{module}").get_config(args)
+  config = bench_util.recipe(module, args)
   config.accumulation.steps, config.xla = k, xla
   config.data.synthetic_train_examples = max(config.batch_size * k * (updates + 1), 256)
   seconds = bench_util.time_updates(config, updates, repeats=3)
