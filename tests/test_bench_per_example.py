@@ -3,6 +3,8 @@
 Runs the measurement in-process on tiny batches (the figures themselves are not checked here).
 """
 import json
+import os
+import subprocess
 import sys
 
 import pytest
@@ -76,5 +78,24 @@ def test_subprocess_rows_take_memory_solo_and_times_from_the_paired_run(tmp_path
     assert r["onednn"] is (onednn == "on") and r["cpu"], r
     assert r["solo_median_ms"] > 0 and r["median_ms"] > 0 and r["peak_rss_mib"] > 0, r
     assert r["rss_growth_mib"] is not None, r
+    # oneDNN's CPU allocator keeps statistics; TensorFlow's plain one does not.
+    # (At B = 4 the model's creation may have been the peak: a number, not its sign.)
+    assert (r["tensor_peak_mib"] is not None) is (onednn == "on"), r
   assert rows[0]["ratio_to_batch_gradient"] == pytest.approx(
       rows[0]["median_ms"] / rows[1]["median_ms"], abs=1e-3)
+
+
+
+def test_tensor_peak_counts_a_call_s_intermediate_tensors():
+  # The tensor column is the allocator's peak over the bytes held before: a call whose
+  # intermediates are two [1024, 1024] float32 alive together reads at least 8 MiB. In a fresh
+  # process, as the bench measures it (the peak is the process's).
+  code = ("import tensorflow as tf; from trainer.bench import per_example as b; "
+          "x = tf.ones([1024, 1024]); held = b._tensor_bytes(); "
+          "tf.function(lambda t: tf.reduce_sum((t + 1.0) * (t + 2.0)))(x); "
+          "print((b._tensor_bytes(peak=True) - held) / 2**20)")
+  env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       timeout=300, check=True)
+  grown = float(out.stdout.strip().splitlines()[-1])
+  assert 8.0 <= grown < 16.0, grown

@@ -167,9 +167,7 @@ class UpdateStatistics:
                                    self_dots=self_dots)
 
   def _sums(self, terms):
-    count = tf.cast(tf.shape(terms.sq_norms)[0], tf.float32)
-    small = tf.reduce_sum(tf.square(terms.packed_sums)) / tf.square(tf.maximum(count, 1.0))
-    return per_example.local_sums(terms.sq_norms, small)
+    return per_example.local_sums(terms.sq_norms, per_example.terms_small_grad_sq_norm(terms))
 
   def local_sums(self, active, rec, output_grads, loss_scale, batch, losses, *,
                  terms_sum_is_gradient=False):

@@ -28,7 +28,11 @@ that load changes on a shared machine hit every method alike. `median_ms`, `min_
 A subprocess that dies (e.g. pfor through MultiHeadAttention with oneDNN on: SIGSEGV) gives a
 row with `error` set instead of times.
 Memory: `peak_rss_mib` is the subprocess' ru_maxrss; `rss_growth_mib` is that peak minus the
-RSS measured after the model and data were built and before the method's first call.
+RSS measured after the model and data were built and before the method's first call. RSS also
+holds what TensorFlow keeps per graph node (tens of KB each, docs/per_example.md) and what its
+threads cache; `tensor_peak_mib` is the tensors alone: the peak of TensorFlow's CPU allocator
+in the subprocess minus what it held before the first call (the model's and the data's
+tensors). TensorFlow's oneDNN CPU allocator reports it; with oneDNN off the column is None.
 Every row records `cpu` and `onednn` (whether TensorFlow's oneDNN kernels were on in the
 measuring process): TF 2.20 turns them on by default only on x86 CPUs with AVX512-VNNI/BF16,
 AVX-VNNI or AMX, and the ratios differ between the two (docs/benchmarks.md).
@@ -213,13 +217,27 @@ def measure(model_name, method, batch_size, repeats):
   """Times one method on one model at one batch size in this process; returns a row dict."""
   model, (x, y) = model_and_batch(model_name, batch_size)
   fn = _make_method(method, model)
-  rss_before = _rss_mib()
+  rss_before, held = _rss_mib(), _tensor_bytes()
   for _ in range(2):
     fn(x, y)
   row = _row(model_name, method, batch_size, [_timed(fn, x, y) for _ in range(repeats)])
   peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-  row.update(peak_rss_mib=round(peak, 1), rss_growth_mib=round(peak - rss_before, 1))
+  tensor_peak = _tensor_bytes(peak=True)
+  row.update(peak_rss_mib=round(peak, 1), rss_growth_mib=round(peak - rss_before, 1),
+             tensor_peak_mib=(None if tensor_peak is None or held is None
+                              else round((tensor_peak - held) / 2**20, 2)))
   return row
+
+
+def _tensor_bytes(peak=False):
+  """Bytes TensorFlow's CPU allocator holds now, or the most it has held in this process; None
+  where it keeps no statistics. (Its statistics are not reset: oneDNN's allocator zeroes the
+  bytes in use of small tensors on a reset, which then undercounts.)"""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  try:
+    return tf.config.experimental.get_memory_info("CPU:0")["peak" if peak else "current"]
+  except (ValueError, tf.errors.OpError):
+    return None
 
 
 def measure_interleaved(model_name, methods, batch_size, repeats):
@@ -235,8 +253,8 @@ def measure_interleaved(model_name, methods, batch_size, repeats):
     for m, fn in fns.items():
       if round_index < repeats[m]:
         times[m].append(_timed(fn, x, y))
-  return [dict(_row(model_name, m, batch_size, times[m]), peak_rss_mib=None, rss_growth_mib=None)
-          for m in methods]
+  return [dict(_row(model_name, m, batch_size, times[m]), peak_rss_mib=None, rss_growth_mib=None,
+               tensor_peak_mib=None) for m in methods]
 
 
 def _run_worker(model, method, batch_size, repeats, env):
@@ -250,6 +268,7 @@ def _run_worker(model, method, batch_size, repeats, env):
     print(f"  {first}", file=sys.stderr, flush=True)
     return {"model": model, "method": method, "batch_size": batch_size, "median_ms": None,
             "min_ms": None, "repeats": repeats, "peak_rss_mib": None, "rss_growth_mib": None,
+            "tensor_peak_mib": None,
             "cpu": None, "onednn": None, "error": first}
 
 
@@ -288,14 +307,14 @@ def _num(value, width, digits):
 
 def _table(rows):
   head = (f"{'model':<18}{'method':<18}{'batch':>6}{'median_ms':>11}{'min_ms':>9}{'x batch':>9}"
-          f"{'solo_ms':>9}{'peak_MiB':>10}{'growth_MiB':>12}{'repeats':>9}")
+          f"{'solo_ms':>9}{'peak_MiB':>10}{'growth_MiB':>12}{'tensors_MiB':>13}{'repeats':>9}")
   out = [head, "-" * len(head)]
   for r in rows:
     line = (f"{r['model']:<18}{r['method']:<18}{r['batch_size']:>6}{_num(r['median_ms'], 11, 1)}"
             f"{_num(r['min_ms'], 9, 1)}{_num(r['ratio_to_batch_gradient'], 9, 2)}"
             f"{_num(r.get('solo_median_ms'), 9, 1)}"
             f"{_num(r.get('peak_rss_mib'), 10, 0)}{_num(r.get('rss_growth_mib'), 12, 0)}"
-            f"{r['repeats']:>9}")
+            f"{_num(r.get('tensor_peak_mib'), 13, 1)}{r['repeats']:>9}")
     out.append(line + (f"  {r['error']}" if r.get("error") else ""))
   return "\n".join(out)
 

@@ -54,12 +54,6 @@ def _dots_with(piece, row):
   return tf.matmul(piece, row, transpose_b=True)
 
 
-def _column_sum(piece):
-  """[B, n] -> [1, n], the sum over rows, as ones [1, B] times the piece (see `reduce`)."""
-  batch = piece.shape[0] if piece.shape[0] is not None else tf.shape(piece)[0]
-  return tf.matmul(tf.ones([1, batch], piece.dtype), piece)
-
-
 def _indicator(widths):
   """[sum(widths), len(widths)] float32: column j is 1 on the j-th span of rows."""
   out = np.zeros([sum(widths), len(widths)], np.float32)
@@ -150,19 +144,20 @@ def _spans(widths, start, size):
 
 class PiecesGroup:
   """Variables whose per-example gradients come as row-major [B, n] pieces (`Term.blocks`,
-  `Joint.pieces`), reduced as they come: piece k is created once piece k - 2 is reduced, so that
-  at most two (e.g. two kernel taps) are alive, and one is reduced while the next is computed.
-  (One at a time left both CPU cores idle between them: on the small CNN's 9 taps of
-  [128, 32, 64], 5.6 ms against 4.6 ms, for ~3 MiB.)"""
+  `Joint.pieces`), reduced as they come: piece k (counted over all groups, `Pipeline`) is created
+  once piece k - 2 is reduced, so that at most two (e.g. two kernel taps) are alive, and one
+  is reduced while the next is computed. (One at a time left both CPU cores idle between
+  them: on the small CNN's 9 taps of [128, 32, 64], 5.6 ms against 4.6 ms, for ~3 MiB.)"""
 
   def __init__(self, indices, pieces, variables):
     self.indices = tuple(indices)
     self._pieces = pieces
     self._widths = [(i, _width(variables[i])) for i in indices]
 
-  def reduce(self, self_dots):
+  def reduce(self, self_dots, pipeline):
     """Returns ({index: [[B, 1] squared norms]}, [[1, n] batch sums in order],
-    [[B, 1] self-dots], kept pieces).
+    [[B, 1] self-dots], kept pieces). `pipeline` (`Pipeline`) orders the pieces after those of
+    the groups reduced before.
 
     Every reduction is a matrix product: the squared norms per variable are the squares times
     an indicator matrix of the variables' spans, the batch sum is ones times the piece, the
@@ -171,26 +166,27 @@ class PiecesGroup:
     Transformer's layers: 0.34 ms against 1.13 ms), and it needs fewer ops.
     """
     parts, sums, dots, kept = {}, [], [], []
-    iterator, start, done, previous = iter(self._pieces), 0, [], []
+    iterator, start = iter(self._pieces), 0
     while True:
-      with tf.control_dependencies(previous):  # Piece k - 2's reductions.
+      with tf.control_dependencies(pipeline.previous):  # Piece k - 2's reductions.
         piece = next(iterator, None)
       if piece is None:
         return parts, sums, dots, kept
       piece = terms_lib.flat(piece)
       size = int(piece.shape[1])
       spans = _spans(self._widths, start, size)
-      norms = tf.matmul(tf.square(piece), _indicator([w for _, w in spans]))
+      norms = tf.matmul(tf.square(piece), pipeline.indicator([w for _, w in spans]))
       columns = [norms] if len(spans) == 1 else tf.split(norms, len(spans), axis=1)
       for (index, _), column in zip(spans, columns):
         parts.setdefault(index, []).append(column)
-      sums.append(_column_sum(piece))
-      previous, done = done, [norms, sums[-1]]
+      sums.append(tf.matmul(pipeline.ones_row(piece), piece))  # The column sums.
+      done = [norms, sums[-1]]
       if self_dots:
         dots.append(_dots_with(piece, sums[-1]))
         done.append(dots[-1])
       else:
         kept.append(piece)
+      pipeline.push(done)
       start += size
 
   def dots(self, kept, packed):
@@ -203,7 +199,43 @@ class PiecesGroup:
     return tf.add_n(out)
 
 
-def combine(variables, groups, ghost, self_dots) -> GhostTerms:
+class Pipeline:
+  """The order of all materialised pieces, across groups: piece k is created once piece k - 2's
+  reductions are done, and the first two once `after` (e.g. every recorded output gradient) is.
+
+  Waiting for the whole backward pass keeps the pieces off the backward's peak. Without it the
+  small CNN's unfolded conv1 input (which needs only the batch input) was computed during the
+  forward pass and held through the backward, and the conv2 taps ran beside conv1's backward.
+  B = 128, peak of TensorFlow's allocator: 48.1 -> 38.3 MiB, the batch gradient's 38.4 MiB.
+  The text Transformer pays for holding all its recorded gradients until then: 4.0 -> 4.5 MiB
+  (batch gradient 3.5 MiB); waiting only for each group's own gradient gave 42.0 and 4.0 MiB.
+  """
+
+  def __init__(self, after=()):
+    self.previous, self._done = list(after), list(after)
+    self._constants = {}  # One node per distinct constant (each node costs memory).
+
+  def indicator(self, widths):
+    """`_indicator(widths)`, shared by the pieces."""
+    key = ("indicator",) + tuple(widths)
+    if key not in self._constants:
+      self._constants[key] = _indicator(widths)
+    return self._constants[key]
+
+  def ones_row(self, piece):
+    """Ones [1, B] for a [B, n] piece, shared: ones times the piece is its column sums."""
+    batch = piece.shape[0]
+    key = ("ones", batch)
+    if key not in self._constants:
+      self._constants[key] = tf.ones(
+          [1, batch if batch is not None else tf.shape(piece)[0]], piece.dtype)
+    return self._constants[key]
+
+  def push(self, done):
+    self.previous, self._done = self._done, list(done)
+
+
+def combine(variables, groups, ghost, self_dots, after=()) -> GhostTerms:
   """GhostTerms from materialised groups (`PiecesGroup`) and ghost variables.
 
   Args:
@@ -211,6 +243,7 @@ def combine(variables, groups, ghost, self_dots) -> GhostTerms:
     groups: materialised groups, in packing order.
     ghost: {index: (term, dz)} for Gram/forward variables.
     self_dots: compute <g_i, sum_j g_j> now and keep nothing (see the module docstring).
+    after: tensors the first pieces wait for (`Pipeline`).
 
   Tried and dropped (measured on the text Transformer, B=128): concatenating small pieces into
   one matrix (fewer ops, +11 MiB RSS for the copies); one product for layers reading the same
@@ -218,8 +251,9 @@ def combine(variables, groups, ghost, self_dots) -> GhostTerms:
   """
   order = [i for group in groups for i in group.indices] + sorted(ghost)
   sums, dots, kept, parts = [], [], [], {}
+  pipeline = Pipeline(after)
   for group in groups:
-    group_parts, group_sums, group_dots, state = group.reduce(self_dots)
+    group_parts, group_sums, group_dots, state = group.reduce(self_dots, pipeline)
     for index, found in group_parts.items():
       parts.setdefault(index, []).extend(found)
     sums.extend(group_sums)
@@ -298,4 +332,4 @@ def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
       groups.append(PiecesGroup((i,), variable_pieces(rec.terms[i], dzs, size,
                                                       variables[i].shape), variables))
       grouped.add(i)
-  return combine(variables, groups, ghost, self_dots)
+  return combine(variables, groups, ghost, self_dots, after=dzs)

@@ -67,10 +67,22 @@ def local_sums(var_sq_norms, small_grad_sq_norm):
   by summing them; any context.
   """
   var_sq_norms = tf.cast(var_sq_norms, tf.float32)
-  norms = tf.sqrt(tf.reduce_sum(var_sq_norms, axis=1, keepdims=True))
-  per_example = tf.concat([var_sq_norms, tf.sqrt(var_sq_norms), norms, tf.ones_like(norms)], 1)
+  return _local_sums(var_sq_norms, tf.sqrt(var_sq_norms),
+                     tf.sqrt(tf.reduce_sum(var_sq_norms, axis=1, keepdims=True)),
+                     tf.cast(small_grad_sq_norm, tf.float32))
+
+
+def _local_sums(var_sq_norms, var_norms, norms, small_grad_sq_norm):
+  """`local_sums` from the [b, V], [b, V] and [b, 1] per-example values already at hand."""
+  per_example = tf.concat([var_sq_norms, var_norms, norms, tf.ones_like(norms)], axis=1)
   return tf.concat([tf.reduce_sum(per_example, axis=0),
-                    tf.reshape(tf.cast(small_grad_sq_norm, tf.float32), [1])], axis=0)
+                    tf.reshape(small_grad_sq_norm, [1])], axis=0)
+
+
+def terms_small_grad_sq_norm(terms):
+  """|sum_i g_i / b|^2 of one small batch's `ghost.GhostTerms` (0 for an empty batch)."""
+  count = tf.cast(tf.shape(terms.sq_norms)[0], tf.float32)
+  return tf.reduce_sum(tf.square(terms.packed_sums)) / tf.square(tf.maximum(count, 1.0))
 
 
 @general.no_autograph
@@ -82,31 +94,31 @@ def statistics_from_sums(sums, grad_sq_norm, *, num_small_batches, num_parameter
   Returns count, grad_norm, mean_norm, mean_sq_norm, trace, variance, diversity, gns, gns_s,
   gns_g2, gns_example, var_mean_norm [V], var_mean_sq_norm [V]. With one example (count 1)
   trace, variance and the noise scales are NaN (undefined).
+
+  Written as few vector ops (each graph node costs tens of KB of resident memory in TF's
+  runtime; docs/per_example.md): both noise-scale estimates at once, one select, one unstack.
   """
   num_vars = (int(sums.shape[0]) - 3) // 2
-  var_sum_sq, var_sum_norm, tail = tf.split(sums, [num_vars, num_vars, 3])
+  grad_sq_norm = tf.cast(grad_sq_norm, tf.float32)
+  var_sums, tail = tf.split(sums, [2 * num_vars, 3])
   sum_norm, count, small_total = tf.unstack(tail)
-  sum_sq = tf.reduce_sum(var_sum_sq)
-  example_sq = sum_sq / count  # |G|^2 at batch size 1: mean_i |g_i|^2.
-  if num_small_batches > 1:
-    small_sq, b_small = small_total / num_small_batches, count / num_small_batches
+  var_mean_sq_norm, var_mean_norm = tf.split(var_sums / count, 2)
+  example_sq = tf.reduce_sum(var_mean_sq_norm)  # |G|^2 at batch size 1: mean_i |g_i|^2.
+  if num_small_batches > 1:  # [small batches vs all, single examples vs all].
+    small_sq = tf.stack([small_total / num_small_batches, example_sq])
+    b_small = tf.stack([count / num_small_batches, tf.ones_like(count)])
   else:
-    small_sq, b_small = example_sq, tf.ones_like(count)
-  # Both estimates at once: [small batches vs all, single examples vs all].
-  gns, s, g2 = noise_scale(tf.stack([small_sq, example_sq]), grad_sq_norm,
-                           tf.stack([b_small, tf.ones_like(count)]), count)
-  gns, gns_example = tf.unstack(gns)
-  (gns_s, trace), (gns_g2, _) = tf.unstack(s), tf.unstack(g2)  # S at b_s = 1 is tr(Sigma).
+    small_sq, b_small = tf.stack([example_sq, example_sq]), tf.ones([2])
+  gns, s, g2 = noise_scale(small_sq, grad_sq_norm, b_small, count)
   # One example has no covariance: these divide 0 by 0, whose sign rounding would pick.
-  undefined = tf.fill(tf.shape(count), float("nan"))
-  trace, gns, gns_s, gns_g2, gns_example = (tf.where(count > 1.0, t, undefined)
-                                            for t in (trace, gns, gns_s, gns_g2, gns_example))
-  return {
+  estimates = tf.where(count > 1.0, tf.stack([gns, s, g2]), float("nan"))
+  gns, gns_example, gns_s, trace, gns_g2, _ = tf.unstack(tf.reshape(estimates, [6]))
+  return {  # S at b_s = 1 is tr(Sigma).
       "count": count, "grad_norm": tf.sqrt(grad_sq_norm), "mean_norm": sum_norm / count,
       "mean_sq_norm": example_sq, "trace": trace, "variance": trace / float(num_parameters),
-      "diversity": diversity(sum_sq, grad_sq_norm * tf.square(count)), "gns": gns,
+      "diversity": diversity(example_sq, grad_sq_norm * count), "gns": gns,
       "gns_s": gns_s, "gns_g2": gns_g2, "gns_example": gns_example,
-      "var_mean_norm": var_sum_norm / count, "var_mean_sq_norm": var_sum_sq / count}
+      "var_mean_norm": var_mean_norm, "var_mean_sq_norm": var_mean_sq_norm}
 
 
 # ------------------------------------------------------------------- replica context --------
@@ -126,25 +138,26 @@ def _combine(ctx, found, return_batch_grads):
   """
   var_sq, local = found.sq_norms, found.packed_sums
   num_params = sum(found.sizes)
-  local_count = tf.cast(tf.shape(var_sq)[0], tf.float32)
-  small_sq = tf.reduce_sum(tf.square(local)) / tf.square(tf.maximum(local_count, 1.0))
-  sums = local_sums(var_sq, small_sq)
+  var_norms = tf.sqrt(var_sq)
+  norms = tf.sqrt(tf.reduce_sum(var_sq, axis=1, keepdims=True))  # [b, 1]
+  sums = _local_sums(var_sq, var_norms, norms, terms_small_grad_sq_norm(found))
   total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([local, sums], 0))  # ONE.
   grad_sum, reduced = tf.split(total, [num_params, int(sums.shape[0])])
-  stats = statistics_from_sums(reduced, tf.reduce_sum(tf.square(grad_sum)) / tf.square(
-      reduced[-2]), num_small_batches=ctx.num_replicas_in_sync, num_parameters=num_params)
-  count = stats["count"]
-  if found.self_dots is not None:
-    dots = found.self_dots / count
+  count = reduced[-2]
+  grad_sum_sq = tf.reduce_sum(tf.square(grad_sum))
+  stats = statistics_from_sums(reduced, grad_sum_sq / tf.square(count),
+                               num_small_batches=ctx.num_replicas_in_sync,
+                               num_parameters=num_params)
+  if found.self_dots is not None:  # <g_i, S1>, S1 = count G: cos(g_i, G) = cos(g_i, S1).
+    dots = found.self_dots
   else:
-    dots = found.dots_packed(grad_sum / count)  # After the reduce.
-  norms = tf.sqrt(tf.reduce_sum(var_sq, axis=1))
-  local_cos = cosines(dots, norms, stats["grad_norm"])
-  gathered = ctx.all_gather(
-      tf.concat([tf.stack([norms, local_cos], axis=1), tf.sqrt(var_sq)], axis=1), axis=0)
-  gathered_norms, gathered_cos, var_norms = tf.split(gathered, [1, 1, -1], axis=1)
-  stats.update(mean_cosine=tf.reduce_mean(gathered_cos), norms=gathered_norms[:, 0],
-               cosines=gathered_cos[:, 0], var_norms=var_norms)
+    dots = found.dots_packed(grad_sum)  # After the reduce.
+  local_cos = cosines(tf.reshape(dots, [-1, 1]), norms, tf.sqrt(grad_sum_sq))
+  gathered = ctx.all_gather(tf.concat([norms, local_cos, var_norms], axis=1), axis=0)
+  gathered_norms, gathered_cos, gathered_var_norms = tf.split(gathered, [1, 1, -1], axis=1)
+  stats.update(mean_cosine=tf.reduce_mean(gathered_cos),
+               norms=tf.reshape(gathered_norms, [-1]), cosines=tf.reshape(gathered_cos, [-1]),
+               var_norms=gathered_var_norms)
   if return_batch_grads:
     stats["batch_grads"] = found.unpack(grad_sum / count)
   return stats
