@@ -209,6 +209,8 @@ class Pipeline:
   B = 128, peak of TensorFlow's allocator: 48.1 -> 38.3 MiB, the batch gradient's 38.4 MiB.
   The text Transformer pays for holding all its recorded gradients until then: 4.0 -> 4.5 MiB
   (batch gradient 3.5 MiB); waiting only for each group's own gradient gave 42.0 and 4.0 MiB.
+  It also holds the constants the reductions share (one graph node each, not one per piece).
+  Traced or eager, any context; one per `combine` call (its tensors belong to that trace).
   """
 
   def __init__(self, after=()):
@@ -232,6 +234,7 @@ class Pipeline:
     return self._constants[key]
 
   def push(self, done):
+    """Records the reductions of the piece just made; the next piece waits for the ones before."""
     self.previous, self._done = self._done, list(done)
 
 
