@@ -167,7 +167,7 @@ class UpdateStatistics:
                                    self_dots=self_dots)
 
   def _sums(self, terms):
-    return per_example.local_sums(terms.sq_norms, per_example.terms_small_grad_sq_norm(terms))
+    return per_example.local_sums(terms.sq_norms, terms.mean_grad_sq_norm)
 
   def local_sums(self, active, rec, output_grads, loss_scale, batch, losses, *,
                  terms_sum_is_gradient=False):

@@ -27,5 +27,4 @@ from trainer.per_example.statistics import local_sums
 from trainer.per_example.statistics import noise_scale
 from trainer.per_example.statistics import replica_statistics
 from trainer.per_example.statistics import statistics_from_sums
-from trainer.per_example.statistics import terms_small_grad_sq_norm
 from trainer.per_example.statistics import trace_estimate

@@ -94,6 +94,12 @@ class GhostTerms:
     return out
 
   @property
+  def mean_grad_sq_norm(self):
+    """|sum_i g_i / B|^2, this batch's mean gradient's squared norm (0 for an empty batch)."""
+    count = tf.cast(tf.shape(self.sq_norms)[0], tf.float32)
+    return tf.reduce_sum(tf.square(self.packed_sums)) / tf.square(tf.maximum(count, 1.0))
+
+  @property
   def batch_sums(self):
     """sum_i g_iv per variable, in variable order."""
     return self.unpack(self.packed_sums)

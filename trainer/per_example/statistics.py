@@ -79,12 +79,6 @@ def _local_sums(var_sq_norms, var_norms, norms, small_grad_sq_norm):
                     tf.reshape(small_grad_sq_norm, [1])], axis=0)
 
 
-def terms_small_grad_sq_norm(terms):
-  """|sum_i g_i / b|^2 of one small batch's `ghost.GhostTerms` (0 for an empty batch)."""
-  count = tf.cast(tf.shape(terms.sq_norms)[0], tf.float32)
-  return tf.reduce_sum(tf.square(terms.packed_sums)) / tf.square(tf.maximum(count, 1.0))
-
-
 @general.no_autograph
 def statistics_from_sums(sums, grad_sq_norm, *, num_small_batches, num_parameters) -> dict:
   """The scalar statistics from summed `local_sums` and |G|^2 of the global mean gradient.
@@ -140,7 +134,7 @@ def _combine(ctx, found, return_batch_grads):
   num_params = sum(found.sizes)
   var_norms = tf.sqrt(var_sq)
   norms = tf.sqrt(tf.reduce_sum(var_sq, axis=1, keepdims=True))  # [b, 1]
-  sums = _local_sums(var_sq, var_norms, norms, terms_small_grad_sq_norm(found))
+  sums = _local_sums(var_sq, var_norms, norms, found.mean_grad_sq_norm)
   total = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.concat([local, sums], 0))  # ONE.
   grad_sum, reduced = tf.split(total, [num_params, int(sums.shape[0])])
   count = reduced[-2]
