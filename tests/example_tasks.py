@@ -143,3 +143,38 @@ class LoopedDense(NoMetrics):
 
   def build_model(self):
     return keras.Sequential([keras.Input((12,)), PerStepDense(), keras.layers.Dense(2)])
+
+
+class _TokenAndPosition(keras.layers.Layer):
+  """Token embedding plus a position embedding over arange(T) (Keras' text-example pattern)."""
+
+  def __init__(self, length, width, **kwargs):
+    super().__init__(**kwargs)
+    self.length = length
+    self.tokens = keras.layers.Embedding(10, width)
+    self.positions = keras.layers.Embedding(length, width)
+
+  def call(self, ids):
+    return self.tokens(ids) + self.positions(keras.ops.arange(self.length))
+
+
+class PositionTransformer(NoMetrics):
+  """Tokens -> token + position embeddings -> attention + LayerNormalization -> pooled logits.
+
+  Its position Embedding's input does not depend on the batch: per-example code must send it
+  to the general path."""
+
+  def build_model(self):
+    tokens = keras.Input((4,), dtype="int32")
+    x = _TokenAndPosition(4, 8)(tokens)
+    x = keras.layers.LayerNormalization()(
+        x + keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(x, x))
+    return keras.Model(tokens, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling1D()(x)))
+
+  def train_data(self):
+    rng = np.random.RandomState(0)
+    tokens = rng.randint(0, 10, (128, 4)).astype(np.int32)
+    return {"x": tokens, "y": (tokens[:, 0] > 6).astype(np.int64)}
+
+  def eval_data(self):
+    return None

@@ -100,6 +100,40 @@ def test_statistics_equal_the_materialised_oracle(tmp_path, replicas, k, model):
       np.testing.assert_allclose(float(got), value, rtol=1e-5, err_msg=name)
 
 
+def test_a_position_embedding_takes_the_general_path_in_the_trainer_hook(tmp_path):
+  """The position Embedding over arange(T) is not per example (T == 4 rows whatever B): the
+  hook must send it to the general path. Its statistics equal the oracle's and the update
+  equals the one without statistics (the demoted variables' gradient comes from the tape)."""
+  moved = {}
+  for every in (1, 0):
+    overrides = {"per_example.every_steps": every, "train_steps": 1, "batch_size": 8,
+                 "optimizer.name": "sgd", "optimizer.learning_rate": 0.1}  # (Adam's first
+    # step has the size of the learning rate for any nonzero gradient: rounding noise too.)
+    config = helpers.tiny_config(**overrides)
+    task = example_tasks.PositionTransformer(config)
+    strategy, trainer = helpers.build(config, tmp_path / str(every), task)
+    initial, _ = helpers.snapshot(strategy, trainer)
+    writer = tf.summary.create_file_writer(str(tmp_path / f"tb{every}"))
+    with writer.as_default():
+      trainer.train(tf.constant(1))
+    writer.flush()
+    after, _ = helpers.snapshot(strategy, trainer)
+    moved[every] = [a - b for a, b in zip(after, initial)]
+    if every:
+      assert trainer.statistics.recorder.general_variables == [
+          trainer.model.layers[1].positions.embeddings]
+  for k, (fast, tape) in enumerate(zip(moved[1], moved[0])):
+    scale = float(np.max(np.abs(tape)))
+    assert scale > 0, f"variable {k} did not move"
+    np.testing.assert_allclose(fast, tape, atol=1e-6 * max(1.0, scale), err_msg=str(k))
+  batch = helpers.update_batches(config, 1, task)[0]
+  expected = _oracle(config, task, initial, batch, 1, 1)
+  events = _events(tmp_path / "tb1")
+  for name in ("gns", "diversity", "mean_norm", "trace", "grad_norm", "mean_cosine"):
+    (step, got), = events[f"per_example/{name}"]
+    np.testing.assert_allclose(float(got), expected[name], rtol=1e-5, err_msg=name)
+
+
 def test_statistics_refuse_a_model_called_on_several_rows_per_example(tmp_path):
   config = helpers.tiny_config(**{"task": "triplet", "model": "vgg_small",
                                   "data.image_size": 32, "per_example.every_steps": 1})

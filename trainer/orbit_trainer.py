@@ -22,7 +22,6 @@ function handed to `strategy.run` returns only tensors, so the same code runs in
 local forward/backward and buffer adds; the whole update where XLA has the collective (one
 replica, or GPUs only); see docs/design.md.
 """
-import contextlib
 import time
 
 from absl import logging
@@ -168,9 +167,7 @@ class Trainer(orbit.StandardTrainer):
     """
     variables = self.model.trainable_variables
     with tf.GradientTape() as tape, self._state.watching(), (
-        self.statistics.recording(tape)) as recording, (
-            self.statistics.foreign_reads(recording) if self._gradients_from_statistics
-            else contextlib.nullcontext([])) as foreign:
+        self.statistics.recording(tape, batch)) as recording:
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
                                                          training=True)
       weight_sum = tf.reduce_sum(weight)
@@ -180,6 +177,7 @@ class Trainer(orbit.StandardTrainer):
         objective += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * weight_sum
       if self.loss_scale is not None:
         objective *= self.loss_scale
+    foreign = [] if recording is None else recording.read_outside  # Tied weights, regularisers.
     if recording is None:
       grads = tape.gradient(objective, variables)
       grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]

@@ -33,7 +33,6 @@ With n > 1, the work on other updates is the recorded forward (the same arithmet
 gathered zeros; the norms run under `tf.cond` only on statistics updates.
 """
 import contextlib
-import inspect
 
 from absl import logging
 import keras
@@ -44,7 +43,6 @@ from trainer import errors
 from trainer import per_example
 from trainer.per_example import conv as per_example_conv
 from trainer.per_example import kernels as per_example_kernels
-from trainer.per_example import layers as per_example_layers
 
 SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
 HISTOGRAMS = ("norms", "cosines")
@@ -74,16 +72,12 @@ class UpdateStatistics:
     convolutions = [layer.name for layer, _ in self.recorder.layers
                     if isinstance(layer, per_example_conv.COVERED)]
     if convolutions and per_example_kernels.eigen_cpu():
-      caveat = ("" if not self.recorder.general_indices else
-                " and per_example.general_path=loop (pfor through MultiHeadAttention crashes "
-                "with oneDNN on)")
       logging.warning(
           "per_example.every_steps=%d with TensorFlow's oneDNN kernels off (TF 2.20's default "
           "on x86 CPUs without AVX512-VNNI/BF16, AVX-VNNI or AMX): the per-example terms of the "
           "convolutions (%s) run on Eigen's batched matrix products, which makes statistics "
           "updates markedly slower (docs/per_example.md, 'Speed depends on oneDNN'); for speed, "
-          "start the job with TF_ENABLE_ONEDNN_OPTS=1%s", self.every, ", ".join(convolutions),
-          caveat)
+          "start the job with TF_ENABLE_ONEDNN_OPTS=1", self.every, ", ".join(convolutions))
     self._task = task
     # One replica, one micro-batch: G is this batch's own sum of g_i up to a positive factor
     # (normalisation, clipping), so the dots come with the norms (`self_dots`) and no
@@ -98,39 +92,9 @@ class UpdateStatistics:
 
   # --- Replica context (traced).
   @contextlib.contextmanager
-  def foreign_reads(self, recording):
-    """Notes, while the forward is traced, reads of a recorded layer's variables made outside
-    that layer's own recorded call (weights tied through other code). Yields the list of them.
-
-    The per-example terms of such a variable miss those uses, so its update gradient must then
-    come from the tape. Patches `keras.Variable.value` for the duration of the Python call.
-    """
-    owners = {}
-    for layer, rule in self.recorder.layers:
-      for variable in per_example_layers.layer_variables(layer, rule):
-        owners.setdefault(id(variable), layer)
-    found = []
-    cls = keras.Variable
-    own = cls.__dict__.get("value")
-    prop = inspect.getattr_static(cls, "value")
-
-    def value(variable):
-      owner = owners.get(id(variable))
-      if owner is not None and not (recording.inside and recording.inside[-1] is owner):
-        found.append(variable.path)
-      return prop.fget(variable)
-    cls.value = property(value)
-    try:
-      yield found
-    finally:
-      if own is None:
-        del cls.value
-      else:
-        cls.value = own
-
-  @contextlib.contextmanager
-  def recording(self, tape):
-    """Records the forward pass for the per-example formulas (yields None when disabled).
+  def recording(self, tape, batch):
+    """Records the forward pass of `batch` for the per-example formulas (yields None when
+    disabled). Covered layers whose input is not per example are demoted to the general path.
 
     A model the recording refuses (e.g. a covered layer called inside a loop of the forward
     pass) is a ConfigError naming `per_example.every_steps` (traced, at the first trace).
@@ -139,7 +103,9 @@ class UpdateStatistics:
       yield None
       return
     try:
-      with self.recorder.record(tape) as rec:
+      # Reads outside a layer's call (tied weights, `model.losses`) are noted, not demoted:
+      # the update takes their gradient from the tape (`OrbitTrainer.local_sums`).
+      with self.recorder.record(tape, batch, reads_outside="note") as rec:
         yield rec
     except per_example.Refused as e:
       raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {e.reason}; set it to "

@@ -66,10 +66,20 @@ def refusal(descriptions) -> str:
           "'vectorized_map', or pass `variables` without them.")
 
 
+def demotion_refusal(layer, problem) -> str:
+  """The one-line error for a layer sent to the general path while general_path='error'."""
+  return (f"per_example: general_path='error' and {type(layer).__name__} '{layer.name}' cannot "
+          f"use its direct formula: {problem}")
+
+
 def _example_at(i):
   """Slices example `i` of a batch tensor as a batch of one: dense tensors with a static first
-  dimension of 1 (as `tf.vectorized_map` gives them), ragged ones as ragged."""
+  dimension of 1 (as `tf.vectorized_map` gives them), ragged ones as ragged, sparse as sparse."""
   def example(t):
+    if isinstance(t, tf.SparseTensor):
+      rest = t.dense_shape[1:]
+      return tf.sparse.slice(t, tf.concat([[tf.cast(i, tf.int64)], tf.zeros_like(rest)], 0),
+                             tf.concat([[1], rest], 0))
     return t[i:i + 1] if isinstance(t, tf.RaggedTensor) else tf.expand_dims(t[i], 0)
   return example
 
@@ -113,12 +123,21 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
       tape.watch([unwrap(v) for v in variables])
       with guard():
         loss = tf.reduce_sum(check_losses(loss_fn(model, example)))
-    grads = tape.gradient(loss, variables, unconnected_gradients=tf.UnconnectedGradients.ZERO)
+    # The backend variables: filling an unconnected gradient with zeros fails on a Keras one.
+    grads = tape.gradient(loss, [unwrap(v) for v in variables],
+                          unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return [tf.convert_to_tensor(g) for g in grads]
 
   def vectorized(batch):
-    return tf.vectorized_map(
-        lambda e: one_example(tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), e)), batch)
+    stacked = lambda b: tf.vectorized_map(
+        lambda e: one_example(tf.nest.map_structure(lambda t: tf.expand_dims(t, 0), e)), b)
+    if tf.nest.flatten(batch)[0].shape[0] is not None:
+      return stacked(batch)
+    # With a batch size known only at run time, pfor's conversion of a while_loop (an LSTM's)
+    # fails AT RUN TIME for a batch of one (TF 2.20: "Tried to append a tensor with incompatible
+    # shape to a list"), where no fallback can catch it: one example takes the loop.
+    size = tf.shape(tf.nest.flatten(batch)[0])[0]
+    return tf.cond(size > 1, lambda: stacked(batch), lambda: loop(batch))
 
   def loop(batch):
     size = tf.shape(tf.nest.flatten(batch)[0])[0]

@@ -14,8 +14,11 @@ Semantics and limits:
 * Random layers: the direct path uses the masks of its one batch forward, so the per-example
   gradients sum exactly to the batch gradient of that forward (same seed state). The general
   path runs its own forward passes (one example each) with their own masks.
-* A direct variable must be used only through its layer's `call` (no weight tying through other
-  code): contributions made elsewhere are not seen by the direct formulas.
+* A covered layer whose input is not per example (axis 0 not the batch's example axis: a position
+  Embedding over arange(T), a Dense on a learned query) or whose variables are read outside its
+  call (tied weights, a regulariser in the loss) takes the general path, decided while recording
+  (`examples_axis.py`, `reads.py`); eagerly, a scratch trace of the forward finds the first kind.
+  A loss or model call inside an already-traced tf.function raises `Refused` (it would give zeros).
 * Loops in the forward pass: the layers of a recurrent layer that is not unrolled take the
   general path; a covered layer called inside any other nested graph (tf.cond, tf.map_fn, a
   tf.function inside the model) raises `Refused` (a one-line ValueError) after the forward.
@@ -84,8 +87,7 @@ def per_example_gradients(model: Any, loss_fn: Callable[[Any, Any], tf.Tensor], 
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
     raise ValueError(f"chunk_size must be an int >= 0 (0: no chunking); got {chunk_size!r}.")
   recorder = recording.Recorder(model, variables, general_path=general_path)
-  if not recorder.variables:
-    return []
+  recorder.scout(loss_fn, batch)
   loss_fn = general.user_fn(loss_fn)
   static_size = tf.nest.flatten(batch)[0].shape[0]
   if chunk_size == 0 or (static_size is not None and static_size <= chunk_size):

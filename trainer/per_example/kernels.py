@@ -11,7 +11,8 @@ of [121, 32]^T x [121, 64] take 24 ms there against 15 for its batch `Conv2DBack
 (B = 128, 2 cores), so ghost statistics cost 1.4x a batch gradient instead of 1.05x with
 oneDNN (docs/benchmarks.md). Every formula gives the same numbers on either; only speed differs.
 
-Used for the trainer's warning and the benchmarks' rows. Python only, cached for the process
+Used for the trainer's warning, the benchmarks' rows and to keep pfor away from a kernel
+combination that crashes (`pfor_crashes_on`). Python only, cached for the process
 (the kernels are fixed once TensorFlow is imported).
 """
 import functools
@@ -38,3 +39,20 @@ def eigen_cpu() -> bool:
   if onednn_on() is not False:
     return False
   return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+
+
+def pfor_crashes_on(model) -> bool:
+  """Whether `tf.vectorized_map` through `model` is known to kill the process here.
+
+  TF 2.20 with oneDNN's CPU kernels on segfaults (SIGSEGV, B >= 2) when pfor vectorizes a
+  forward pass through Keras MultiHeadAttention (its EinsumDense projections and attention
+  einsums); reproduced without microstep. Python only.
+  """
+  if onednn_on() is False or any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU")):
+    return False
+  import keras  # pylint: disable=g-import-not-at-top
+  attention = (keras.layers.MultiHeadAttention, keras.layers.EinsumDense)
+  if not isinstance(model, keras.layers.Layer):
+    return False
+  return any(isinstance(layer, attention)
+             for layer in model._flatten_layers(include_self=True, recursive=True))  # pylint: disable=protected-access

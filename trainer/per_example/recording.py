@@ -16,7 +16,10 @@ i of dz = dloss/dz is c_i times example i's own gradient there, and the terms tu
 per-example gradients, Gram norms or dots. The recorded forward computes what Keras' `call`
 does, up to float rounding where it is recomposed (normalisation as x_hat * gamma + beta,
 SeparableConv as depthwise then pointwise). BatchNormalization layers called with training=True
-are refused (batch statistics mix the examples).
+are refused (batch statistics mix the examples). A covered layer whose input is not per example
+(`examples_axis.py`) or whose variables are read outside its call (`reads.py`) is demoted to the
+general path while recording: its terms are dropped and `general_indices` grows, so read the
+recorder's index lists after the forward.
 
 Context: Python-level patching, active while the `with` block runs: eagerly, or while tracing
 inside `tf.function`, in replica or cross-replica context; it never communicates. Under
@@ -27,12 +30,18 @@ function) that recorded it.
 """
 import contextlib
 import re
+import weakref
 
+from absl import logging
 import keras
 import tensorflow as tf
 
+from trainer.per_example import examples_axis
 from trainer.per_example import general
+from trainer.per_example import kernels
 from trainer.per_example import layers
+from trainer.per_example import patching
+from trainer.per_example import reads
 
 _BN_TYPES = (keras.layers.BatchNormalization,)
 _PFOR_BODY = re.compile(r"loop_body(_\d+)?")  # The name scope of a traced vectorized_map's body.
@@ -48,7 +57,7 @@ def _loops_over_its_layers(layer) -> bool:
   return isinstance(layer, keras.layers.RNN) and not layer.unroll
 
 
-_MISSING = object()
+_WARNED = weakref.WeakSet()  # Layers whose demotion was logged (once per process).
 LAYER_METHODS = ("auto", "materialize", "ghost")
 
 
@@ -135,47 +144,97 @@ class Recorder:
       if mine:
         self.layers.append((layer, rule))
         covered.update(mine)
-    self.direct_indices = sorted(covered)
-    self.general_indices = [i for i in range(len(self.variables)) if i not in covered]
-    self.general_variables = [self.variables[i] for i in self.general_indices]
+    self._set_direct(covered)
+    self.demoted = []  # (layer, why) moved to the general path while recording, in order.
     self._bn_layers = [l for l in all_layers if isinstance(l, _BN_TYPES)]
     if general_path == "error" and self.general_indices:
       raise ValueError(general.refusal([
           f"{variable_name(v)} ({_find(reasons, v, 'not reached through a Keras layer')})"
           for v in self.general_variables]))
 
+  def _set_direct(self, covered) -> None:
+    self.direct_indices = sorted(covered)
+    self.general_indices = [i for i in range(len(self.variables)) if i not in covered]
+    self.general_variables = [self.variables[i] for i in self.general_indices]
+
   def index_of(self, variable):
     """The index of `variable` in `variables` (held as a Keras or a backend variable), or None."""
     return _find(self._index, variable)
 
+  def indices_of(self, layer, rule) -> list:
+    return [i for i in map(self.index_of, layers.layer_variables(layer, rule)) if i is not None]
+
+  def demote(self, layer, problem) -> list:
+    """Moves `layer`'s variables to the general path for good (this recorder's later forwards
+    call it unrecorded); returns their indices. Logs why, once per layer."""
+    rule = next((r for l, r in self.layers if l is layer), None)
+    if rule is None:
+      return []
+    self.layers = [(l, r) for l, r in self.layers if l is not layer]
+    self.demoted.append((layer, problem))
+    still = {i for l, r in self.layers for i in self.indices_of(l, r)}
+    moved = [i for i in self.indices_of(layer, rule) if i not in still]
+    self._set_direct(set(self.direct_indices) - set(moved))
+    if layer not in _WARNED:
+      _WARNED.add(layer)
+      logging.warning("per_example: %s '%s': %s; its variables take the general path "
+                      "(general_path=%s)", type(layer).__name__, layer.name, problem,
+                      self.general_path)
+    return moved
+
   @contextlib.contextmanager
-  def record(self, tape):
+  def record(self, tape, batch=None, *, reads_outside="demote"):
     """Records the forward pass run inside the block; yields the `Recording`.
 
     `tape`: the GradientTape that will differentiate the loss (each output is watched on it).
+    `batch`: the batch the forward reads (any nest of tensors); with it, covered layers whose
+    input's axis 0 is not the batch's example axis are demoted to the general path
+    (`examples_axis.py`).
+    `reads_outside`: what to do about a covered layer whose variables are read outside its
+    recorded call (tied weights, a regulariser in the loss; `reads.py`): `demote` it to the
+    general path after the forward, or `note` the variables in `rec.read_outside` (the caller
+    then takes their batch gradient from the tape, and their terms miss those uses).
     Raises `general.Refused` at the end of the block when a covered layer ran inside a nested
-    function or loop of the forward pass (see `Recording.watch`).
+    function or loop of the forward pass (see `Recording.watch`), when its variables were read
+    but its call was not recorded (a `tf.function` already traced around the model or the
+    loss), or for a demotion under general_path='error'.
     """
-    rec = Recording(self, tape)
-    with self.guard(), _patched([(layer, _recording_call(layer, rule, rec))
-                                 for layer, rule in self.layers]):
+    rec = Recording(self, tape, batch)
+    with self.guard(), reads.trainable_reads() as read_ids, reads.outside_calls(
+        self, rec) as outside, patching.patched(
+            [(layer, patching.recording_call(layer, rule, rec)) for layer, rule in self.layers]):
       yield rec
+      read_ids = read_ids()
+    for layer, paths in outside.values():
+      if reads_outside == "demote":
+        rec.demote(layer, f"{', '.join(sorted(set(paths)))} read outside its call (tied "
+                   "weights, or a regulariser in the loss)")
+      else:
+        rec.read_outside.extend(paths)
     if rec.refusal:  # Raised here, outside the loop that saw it (see `Recording.watch`).
-      raise general.Refused(f"{rec.refusal} (call it outside the loop, or leave its variables "
-                            "out of `variables`)", reason=rec.refusal)
+      raise general.Refused(rec.refusal + rec.advice, reason=rec.refusal)
+    unrecorded = reads.unrecorded(self, rec, read_ids)
+    if unrecorded:
+      raise general.Refused(unrecorded)
 
   def differentiate(self, loss_fn, batch):
     """Records one batch forward of `loss_fn` and differentiates sum(losses) in ONE backward.
 
     Only the recorded outputs are differentiated (no variable gradients: the direct formulas
-    give them). Returns (rec, output_grads, losses). Eager or traced, any context.
+    give them). Returns (rec, output_grads, losses). Eager or traced, any context. Call
+    `scout` first when eager (the callers in this package do).
     """
     return self._differentiate(general.user_fn(loss_fn), batch)
+
+  def scout(self, loss_fn, batch) -> None:
+    """Eager only: demotes covered calls whose input does not depend on the batch (traces the
+    forward once in a scratch graph; see `examples_axis.scout`). No-op when traced."""
+    examples_axis.scout(self, loss_fn, batch)
 
   @general.no_autograph
   def _differentiate(self, loss_fn, batch):
     with tf.GradientTape(watch_accessed_variables=False) as tape:
-      with self.record(tape) as rec:
+      with self.record(tape, batch) as rec:
         losses = general.check_losses(loss_fn(self.model, batch))
       total = tf.reduce_sum(tf.cast(losses, tf.float32))
     output_grads = tape.gradient(total, rec.outputs,
@@ -184,13 +243,26 @@ class Recorder:
 
   def guard(self):
     """Context refusing BatchNormalization with training=True (used around every forward)."""
-    return _patched([(layer, _refusing_call(layer, layer.call)) for layer in self._bn_layers])
+    return patching.patched([(layer, patching.refusing_call(layer, layer.call))
+                             for layer in self._bn_layers])
 
   def general_gradients(self, loss_fn, batch) -> list:
-    """[B, *shape] per general variable, by `general_path` (its own forward passes)."""
+    """[B, *shape] per general variable, by `general_path` (its own forward passes).
+
+    `vectorized_map` runs as `loop` where pfor is known to kill the process: through Keras
+    attention (MultiHeadAttention, EinsumDense) on oneDNN's CPU kernels (logged once).
+    """
+    path = self.general_path
+    if path == "vectorized_map" and self.general_variables and kernels.pfor_crashes_on(
+        self.model):
+      path = "loop"
+      if self.model not in _WARNED:
+        _WARNED.add(self.model)
+        logging.warning("per_example: general_path=vectorized_map runs as 'loop' for %s: pfor "
+                        "through Keras attention on oneDNN's CPU kernels crashes TF 2.20",
+                        getattr(self.model, "name", type(self.model).__name__))
     return general.no_autograph(general.gradients)(
-        self.model, general.user_fn(loss_fn), batch, self.general_variables, self.general_path,
-        self.guard)
+        self.model, general.user_fn(loss_fn), batch, self.general_variables, path, self.guard)
 
 
 class Recording:
@@ -204,13 +276,18 @@ class Recording:
     inside: the recorded layers whose calls are running now (innermost last): lets a caller
       tell reads of a layer's variables inside its own call from reads elsewhere (tied weights).
     refusal: '' or why this forward cannot be recorded (raised when `record` ends).
+    read_outside: paths of covered variables read outside their layer's call, when `record`
+      was asked to note them (filled when the block ends).
   """
 
-  def __init__(self, recorder, tape):
+  def __init__(self, recorder, tape, batch=None):
     self.recorder = recorder
+    self.batch_axis = examples_axis.BatchAxis(batch)
     self._graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
     self._scope = "" if self._graph is None else self._graph.get_name_scope()
     self.refusal = ""
+    self.advice = ""  # For the library's callers, after `refusal`.
+    self.read_outside = []
     self.outputs = []
     self.terms = {i: [] for i in recorder.direct_indices}
     self.joints = []
@@ -237,6 +314,8 @@ class Recording:
           f"per_example: {name} is called inside a nested function or loop of the forward pass "
           "(tf.while_loop, tf.cond, vectorized_map, or a tf.function inside the model), where "
           "its per-example gradients cannot be recorded")
+      self.advice = self.advice or (" (call it outside the loop, or leave its variables out of "
+                                    "`variables`)")
       self.outputs.append(tensor)  # Never differentiated: the recording raises at its end.
       return len(self.outputs) - 1
     if self._tape is not None:
@@ -257,6 +336,17 @@ class Recording:
     name = tensor.op.name
     inner = name[len(self._scope):] if name.startswith(self._scope) else name
     return any(_PFOR_BODY.fullmatch(part) for part in inner.split("/")[:-1])
+
+  def demote(self, layer, problem) -> None:
+    """Sends `layer` to the general path (see `Recorder.demote`) and forgets its terms."""
+    moved = set(self.recorder.demote(layer, problem))
+    for i in moved:
+      self.terms.pop(i, None)
+    self.joints = [(indices, joint) for indices, joint in self.joints
+                   if not moved.intersection(indices)]
+    if moved and self.recorder.general_path == "error" and not self.refusal:
+      self.refusal = general.demotion_refusal(layer, problem)
+      self.advice = " (use general_path='loop' or 'vectorized_map')"
 
   def add(self, variable, term) -> None:
     """Registers `term` for `variable` (ignored when the variable is not being differentiated)."""
@@ -295,50 +385,3 @@ class Recording:
   def gradients(self, output_grads, batch_size=None) -> dict:
     """{direct variable index: [B, *shape] float32} from the gradients of `outputs`."""
     return {i: self.variable_gradients(i, output_grads, batch_size) for i in self.terms}
-
-
-def _recording_call(layer, rule, rec):
-  def call(inputs, *unused_args, **unused_kwargs):
-    rec.inside.append(layer)  # Whose recorded call is running (see `Recording.inside`).
-    try:
-      return rule.call(layer, inputs, rec)
-    finally:
-      rec.inside.pop()
-  return call
-
-
-def _training_flag(args, kwargs):
-  if "training" in kwargs:
-    return kwargs["training"]
-  return args[1] if len(args) > 1 else None
-
-
-def _refusing_call(layer, original):
-  def call(*args, **kwargs):
-    training = _training_flag(args, kwargs)
-    if layer.trainable and training is not None and (not isinstance(training, bool) or training):
-      raise general.Refused(
-          f"per_example: BatchNormalization layer '{layer.name}' runs with training=True "
-          "(batch statistics mix examples, so per-example gradients are ill-defined); set "
-          "layer.trainable=False, call it with training=False (inside a functional model, Keras "
-          "3 replaces that by the model call's training=True), or use LayerNormalization/"
-          "GroupNormalization.")
-    return original(*args, **kwargs)
-  return call
-
-
-@contextlib.contextmanager
-def _patched(replacements):
-  """Temporarily sets `layer.call` for each (layer, call); always restores what was there."""
-  done = []
-  try:
-    for layer, call in replacements:
-      done.append((layer, layer.__dict__.get("call", _MISSING)))
-      object.__setattr__(layer, "call", call)  # Bypasses Keras attribute tracking.
-    yield
-  finally:
-    for layer, previous in reversed(done):
-      if previous is _MISSING:
-        object.__delattr__(layer, "call")
-      else:
-        object.__setattr__(layer, "call", previous)

@@ -226,6 +226,7 @@ def _ghost_statistics(model, loss_fn, batch, variables, general_path, layer_meth
   ctx = _replica_context()
   recorder = recording.Recorder(model, variables, general_path=general_path,
                                 layer_method=layer_method)
+  recorder.scout(loss_fn, batch)
   rec, output_grads, losses = recorder.differentiate(loss_fn, batch)
   found = ghost.ghost_norms(rec, output_grads,
                             general_grads=recorder.general_gradients(loss_fn, batch),

@@ -1,0 +1,192 @@
+"""Whether axis 0 of a covered layer's input is the example axis of the batch.
+
+The direct formulas (`layers.py`, `conv.py`) read row i of a layer's input and of its output
+gradient as example i's. That holds for a layer applied to the examples (x = f(batch), row by
+row), not for one applied to something else:
+* a tensor that does not depend on the batch: a position Embedding over `arange(T)`, a Dense on
+  a learned query or on `tf.ones([1, F])`; its output is broadcast over the examples later;
+* a tensor whose axis 0 is another axis: time-major [T, B, F], or [B*T, F] after a reshape.
+Left alone, such a layer gets silently wrong per-example gradients when the leading size happens
+to equal B (and a wrong shape otherwise); the sum over the examples, the update, is right.
+
+`BatchAxis(batch).problem(x)` tells, while a recorded forward runs, why `x` cannot be read per
+example ('' when it can, as far as can be told):
+* statically: `x.shape[0]` known and different from the batch's static size;
+* traced (x a graph tensor): x does not depend on any tensor of the batch, by a walk of the
+  graph from x's op through op inputs (and through the captures of nested function graphs to
+  the tensors they capture);
+* a tf.SparseTensor input (no formula reads one).
+What it cannot see: an axis 0 of the same static size that depends on the batch but is not its
+example axis (time-major with T == B), and a batch-independent input run eagerly (eager tensors
+keep no history). For the eager case `scout` traces the forward once, in a scratch graph that
+never runs, so that the recorder learns which calls to demote before the eager forward.
+The recorder demotes the layers found to the general path (`recording.py`).
+
+Context: Python only (reads graph structure; creates no ops), eager or while tracing.
+"""
+import weakref
+
+from absl import logging
+import keras
+import tensorflow as tf
+
+from trainer.per_example import general
+
+
+def _leaves(batch, expand):
+  return [t for t in tf.nest.flatten(batch, expand_composites=expand)
+          if tf.is_tensor(t) or isinstance(t, tf.RaggedTensor)]
+
+
+def static_size(batch):
+  """The batch's static number of examples (None when unknown or when there is no batch)."""
+  for t in _leaves(batch, expand=False):
+    if t.shape.rank:
+      return t.shape[0]
+  return None
+
+
+class BatchAxis:
+  """Answers `problem(x)` for the tensors of one recorded forward pass of `batch`."""
+
+  def __init__(self, batch):
+    self.size = None if batch is None else static_size(batch)
+    self._rows = next((t for t in _leaves(batch, expand=False) if tf.is_tensor(t)
+                       and not isinstance(t, tf.SparseTensor) and t.shape.rank), None) if (
+                           batch is not None) else None
+    leaves = [] if batch is None else _leaves(batch, expand=True)
+    self._targets = {t.ref() for t in leaves}
+    self._clean = set()  # Ops known not to depend on the batch (memo across calls).
+
+  def problem(self, x) -> str:
+    """'' when axis 0 of `x` can be taken as the example axis; else why not (one phrase)."""
+    if isinstance(x, tf.SparseTensor):
+      return "its input is a tf.SparseTensor"
+    if not tf.is_tensor(x) or not self._targets:
+      return ""
+    if x.shape.rank == 0:
+      return "its input is a scalar"
+    rows = x.shape[0] if x.shape.rank is not None else None
+    if rows is not None and self.size is not None:
+      if rows != self.size:
+        return (f"its input's axis 0 has {rows} rows for {self.size} examples (not the "
+                "example axis)")
+      if rows == 1:  # One example: every row is its own, whatever the input.
+        return ""
+    if isinstance(x, (tf.Variable, keras.Variable)) or (
+        not isinstance(x, tf.__internal__.EagerTensor) and not self._depends_on_batch(x)):
+      return "its input does not depend on the batch (it is broadcast over the examples)"
+    return ""
+
+  def checked(self, x, name):
+    """`x`, with a run-time check that its axis 0 has as many rows as the batch when either
+    size is known only at run time (traced with a dynamic batch size; the static check of
+    `problem` could not tell). A mismatch fails the step with one clear line instead of a
+    wrong shape or a ConcatOp error in the statistics."""
+    if (self._rows is None or not tf.is_tensor(x) or isinstance(x, tf.__internal__.EagerTensor)
+        or (x.shape.rank and x.shape[0] is not None and self.size is not None)):
+      return x
+    check = tf.debugging.assert_equal(
+        tf.shape(x)[0], tf.shape(self._rows)[0], message=(
+            f"per_example: {name}: axis 0 of its input is not the example axis (rows != batch "
+            "size); give the batch a static size when tracing (the layer then takes the "
+            "general path)"))  # (No quotes: the run-time message escapes them.)
+    with tf.control_dependencies([check]):
+      return tf.identity(x)
+
+  def _depends_on_batch(self, tensor) -> bool:
+    stack, seen = [tensor], set()
+    while stack:
+      t = stack.pop()
+      if t.ref() in self._targets:
+        return True
+      if isinstance(t, tf.__internal__.EagerTensor):
+        continue
+      op = t.op
+      if id(op) in seen or id(op) in self._clean:
+        continue
+      seen.add(id(op))
+      external = _captured(t)
+      if external is not None:  # A placeholder of a nested function: what it captures.
+        stack.append(external)
+      stack.extend(op.inputs)
+    self._clean.update(seen)
+    return False
+
+
+def _captured(t):
+  """The outer tensor a function graph's placeholder `t` captures, or None."""
+  graph = t.graph
+  captures = getattr(graph, "captures", None)
+  if t.op.type != "Placeholder" or not captures:
+    return None
+  for external, internal in captures:
+    if internal is t:
+      return external
+  return None
+
+
+def scout(recorder, loss_fn, batch) -> None:
+  """Eagerly, before an eager recorded forward: demotes the covered calls whose input does not
+  depend on the batch, found by tracing `loss_fn(model, batch)` recorded in a scratch graph
+  (traced, never run: no variable, random state or metric changes).
+
+  What a scout found is kept per (model, loss_fn, batch signature) while both live, so repeated
+  eager calls pay for the trace once (it costs about one eager forward and backward of a small
+  Transformer). No-op when traced (the recording sees the graph itself), with one example, or
+  when nothing is recorded. An error while tracing (a loss that only runs eagerly) skips the
+  scout; the eager forward then raises its own errors.
+  """
+  if not tf.executing_eagerly() or not recorder.layers or static_size(batch) == 1:
+    return
+  try:
+    specs = tf.nest.map_structure(tf.type_spec_from_value, batch)
+  except (TypeError, ValueError):
+    return
+  found = _cached(recorder.model, loss_fn, repr(specs))
+  if found is None:
+    found = _trace(recorder, general.user_fn(loss_fn), specs)
+    _cache(recorder.model, loss_fn, repr(specs), found)
+  else:
+    for layer, problem in found:
+      recorder.demote(layer, problem)
+  if recorder.general_path == "error" and found:
+    raise general.Refused(general.demotion_refusal(*found[0]))
+
+
+def _trace(recorder, loss_fn, specs) -> list:
+  """The (layer, why) demoted by one recorded trace of the forward (see `scout`)."""
+  before = len(recorder.demoted)
+
+  def forward(b):
+    with recorder.record(None, b):
+      loss_fn(recorder.model, b)
+    return tf.constant(0.0)
+  try:
+    tf.function(forward, autograph=False).get_concrete_function(specs)
+  except Exception as e:  # pylint: disable=broad-except
+    # Traced code may refuse what runs eagerly (tf.map_fn is a Python loop there): only the
+    # demotions are kept.
+    logging.debug("per_example: scout trace failed (%s); eager forward goes unchecked", e)
+  return recorder.demoted[before:]
+
+
+# model -> {loss_fn -> {signature: [(layer, why)]}}, all weakly held (layers by weakref).
+_SCOUTED = weakref.WeakKeyDictionary()
+
+
+def _cached(model, loss_fn, signature):
+  try:
+    found = _SCOUTED.get(model, {}).get(loss_fn, {}).get(signature)
+  except TypeError:  # Not weakly referenceable: no cache.
+    return None
+  return None if found is None else [(layer(), problem) for layer, problem in found]
+
+
+def _cache(model, loss_fn, signature, found) -> None:
+  try:
+    by_fn = _SCOUTED.setdefault(model, weakref.WeakKeyDictionary())
+    by_fn.setdefault(loss_fn, {})[signature] = [(weakref.ref(layer), problem)
+                                                 for layer, problem in found]
+  except TypeError:
+    pass

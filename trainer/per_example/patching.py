@@ -1,0 +1,77 @@
+"""Temporarily replacing Keras layers' `call` while a forward pass is recorded.
+
+* `recording_call`: a covered layer's call that records its formulas' inputs (`layers.py`),
+  or runs the layer's own call when the layer is (or is just found to be) on the general path.
+* `refusing_call`: BatchNormalization with training=True refuses (batch statistics mix the
+  examples).
+* `patched`: sets `layer.call` on the instances for the duration of a `with` block and always
+  restores what was there.
+
+Context: Python only, eagerly or while tracing; used by `recording.Recorder`.
+"""
+import contextlib
+
+from trainer.per_example import general
+
+_MISSING = object()
+
+
+def recording_call(layer, rule, rec):
+  """The call that records `layer` (its `rule`) on `rec`; build it before patching the layer.
+
+  It first asks `rec.batch_axis` whether the input is per example: if not, the layer is demoted
+  (`Recording.demote`) and its own call runs, as it does for the rest of the recorder's life.
+  """
+  original = layer.call  # Read before the patch: the layer's own call, for demoted calls.
+
+  def call(inputs, *args, **kwargs):
+    rec.inside.append(layer)  # Whose recorded call is running (see `Recording.inside`).
+    try:
+      if all(l is not layer for l, _ in rec.recorder.layers):  # Demoted earlier in this pass.
+        return original(inputs, *args, **kwargs)
+      problem = rec.batch_axis.problem(inputs)
+      if problem:
+        rec.demote(layer, problem)
+        return original(inputs, *args, **kwargs)
+      inputs = rec.batch_axis.checked(inputs, f"{type(layer).__name__} {layer.name}")
+      return rule.call(layer, inputs, rec)
+    finally:
+      rec.inside.pop()
+  return call
+
+
+def training_flag(args, kwargs):
+  if "training" in kwargs:
+    return kwargs["training"]
+  return args[1] if len(args) > 1 else None
+
+
+def refusing_call(layer, original):
+  def call(*args, **kwargs):
+    training = training_flag(args, kwargs)
+    if layer.trainable and training is not None and (not isinstance(training, bool) or training):
+      raise general.Refused(
+          f"per_example: BatchNormalization layer '{layer.name}' runs with training=True "
+          "(batch statistics mix examples, so per-example gradients are ill-defined); set "
+          "layer.trainable=False, call it with training=False (inside a functional model, Keras "
+          "3 replaces that by the model call's training=True), or use LayerNormalization/"
+          "GroupNormalization.")
+    return original(*args, **kwargs)
+  return call
+
+
+@contextlib.contextmanager
+def patched(replacements):
+  """Temporarily sets `layer.call` for each (layer, call); always restores what was there."""
+  done = []
+  try:
+    for layer, call in replacements:
+      done.append((layer, layer.__dict__.get("call", _MISSING)))
+      object.__setattr__(layer, "call", call)  # Bypasses Keras attribute tracking.
+    yield
+  finally:
+    for layer, previous in reversed(done):
+      if previous is _MISSING:
+        object.__delattr__(layer, "call")
+      else:
+        object.__setattr__(layer, "call", previous)
