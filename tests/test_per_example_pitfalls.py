@@ -134,7 +134,7 @@ def test_the_recorder_demotes_exactly_those_layers_and_error_refuses_them(name):
   assert {id(v) for v in recorder.general_variables} == demoted
   if name == "position_transformer":  # (The other has a variable no rule covers.)
     with pytest.raises(ValueError, match=r"general_path='error' and .* cannot use its direct "
-                                         r"formula: its input does not depend on the batch"):
+                                         r"formula: its input does not depend on the values of the batch"):
       tf.function(lambda b: per_example_gradients(model, h.xent, b, general_path="error"))(batch)
 
 
@@ -251,3 +251,56 @@ def test_rows_that_are_not_examples_under_a_dynamic_batch_size_fail_in_one_line(
   # With a static batch size the same layer takes the general path and matches the loop.
   h.assert_close_rel(tf.function(lambda b: per_example_gradients(model, h.xent, b))(batch),
                      h.loop_grads(model, h.xent, batch, model.trainable_variables), 1e-5, "static")
+
+
+class PositionsFromShape(L.Layer):
+  """Position ids from the input's shape, `arange(shape(ids)[-1])`, as Keras' text examples
+  write them: under an unknown length they depend on the batch through its shape only."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.tokens = L.Embedding(50, 8)
+    self.positions = L.Embedding(32, 8)
+
+  def call(self, ids):
+    return self.tokens(ids) + self.positions(keras.ops.arange(keras.ops.shape(ids)[-1]))
+
+
+def test_positions_from_the_shape_of_a_batch_of_unknown_length_take_the_general_path():
+  keras.utils.set_random_seed(0)
+  ids = keras.Input((None,), dtype="int32")
+  x = L.Dense(8, activation="tanh")(PositionsFromShape()(ids))
+  model = keras.Model(ids, L.Dense(2)(L.GlobalAveragePooling1D()(x)))
+  fn = tf.function(lambda b: per_example_gradients(model, h.xent, b), input_signature=[(
+      tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32))])
+  for size, length in ((5, 5), (3, 7)):
+    rng = np.random.default_rng(size)
+    batch = (tf.constant(rng.integers(0, 50, (size, length)), tf.int32),
+             tf.constant(rng.integers(0, 2, size), tf.int32))
+    ref = h.loop_grads(model, h.xent, batch, model.trainable_variables)
+    h.assert_close_rel(fn(batch), ref, 1e-5, f"traced B={size} T={length}")
+    h.assert_close_rel(per_example_gradients(model, h.xent, batch), ref, 1e-5, "eager")
+
+
+class RaggedMean(L.Layer):
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.embedding = L.Embedding(20, 4)
+    self.dense = L.Dense(2)
+
+  def call(self, ragged_ids):
+    return self.dense(tf.reduce_mean(self.embedding(ragged_ids), axis=1))
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_ragged_input_takes_the_general_path(traced):
+  keras.utils.set_random_seed(0)
+  model = RaggedMean()
+  batch = (tf.ragged.constant([[1, 2, 3], [4], [5, 6]]), tf.constant([0, 1, 1]))
+  model(batch[0])
+  ref = [np.stack(rows) for rows in zip(*(
+      h.loop_grads(model, h.xent, (batch[0][i:i + 1], batch[1][i:i + 1]),
+                   model.trainable_variables) for i in range(3)))]
+  ref = [r[:, 0] for r in ref]
+  fn = lambda b: per_example_gradients(model, h.xent, b)
+  h.assert_close_rel(tf.function(fn)(batch) if traced else fn(batch), ref, 1e-5, "ragged")

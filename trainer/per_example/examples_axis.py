@@ -12,10 +12,10 @@ to equal B (and a wrong shape otherwise); the sum over the examples, the update,
 `BatchAxis(batch).problem(x)` tells, while a recorded forward runs, why `x` cannot be read per
 example ('' when it can, as far as can be told):
 * statically: `x.shape[0]` known and different from the batch's static size;
-* traced (x a graph tensor): x does not depend on any tensor of the batch, by a walk of the
-  graph from x's op through op inputs (and through the captures of nested function graphs to
-  the tensors they capture);
-* a tf.SparseTensor input (no formula reads one).
+* traced (x a graph tensor): x does not depend on the values of any tensor of the batch, by a
+  walk of the graph from x's op through op inputs (not through ops that read only a shape, and
+  through the captures of nested function graphs to the tensors they capture);
+* a tf.SparseTensor or tf.RaggedTensor input (no formula reads one).
 What it cannot see: an axis 0 of the same static size that depends on the batch but is not its
 example axis (time-major with T == B), and a batch-independent input run eagerly (eager tensors
 keep no history). For the eager case `scout` traces the forward once, in a scratch graph that
@@ -60,8 +60,8 @@ class BatchAxis:
 
   def problem(self, x) -> str:
     """'' when axis 0 of `x` can be taken as the example axis; else why not (one phrase)."""
-    if isinstance(x, tf.SparseTensor):
-      return "its input is a tf.SparseTensor"
+    if isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):  # No formula reads them.
+      return f"its input is a tf.{type(x).__name__}"
     if not tf.is_tensor(x) or not self._targets:
       return ""
     if x.shape.rank == 0:
@@ -73,9 +73,14 @@ class BatchAxis:
                 "example axis)")
       if rows == 1:  # One example: every row is its own, whatever the input.
         return ""
-    if isinstance(x, (tf.Variable, keras.Variable)) or (
-        not isinstance(x, tf.__internal__.EagerTensor) and not self._depends_on_batch(x)):
-      return "its input does not depend on the batch (it is broadcast over the examples)"
+    if isinstance(x, (tf.Variable, keras.Variable)):
+      return "its input is a variable (it does not depend on the batch)"
+    parts = tf.nest.flatten(x, expand_composites=True)  # A RaggedTensor's components.
+    if any(isinstance(t, tf.__internal__.EagerTensor) for t in parts):
+      return ""  # No history to read (see `scout`).
+    if not any(self._depends_on_batch(t) for t in parts):
+      return ("its input does not depend on the values of the batch (it is shared by the "
+              "examples, or broadcast over them)")
     return ""
 
   def checked(self, x, name):
@@ -83,7 +88,8 @@ class BatchAxis:
     size is known only at run time (traced with a dynamic batch size; the static check of
     `problem` could not tell). A mismatch fails the step with one clear line instead of a
     wrong shape or a ConcatOp error in the statistics."""
-    if (self._rows is None or not tf.is_tensor(x) or isinstance(x, tf.__internal__.EagerTensor)
+    if (self._rows is None or not isinstance(x, tf.Tensor)
+        or isinstance(x, tf.__internal__.EagerTensor)
         or (x.shape.rank and x.shape[0] is not None and self.size is not None)):
       return x
     check = tf.debugging.assert_equal(
@@ -109,9 +115,16 @@ class BatchAxis:
       external = _captured(t)
       if external is not None:  # A placeholder of a nested function: what it captures.
         stack.append(external)
-      stack.extend(op.inputs)
+      if op.type not in _SHAPE_ONLY:
+        stack.extend(op.inputs)
     self._clean.update(seen)
     return False
+
+
+# Ops whose outputs carry the shape of their input, not its values: a tensor made from the
+# batch's shape alone (`arange(shape(x)[1])` position ids, a query broadcast to [B, N, D]) does
+# not hold per-example values. Sending the layer to the general path is exact in either case.
+_SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 
 def _captured(t):

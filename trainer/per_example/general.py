@@ -150,7 +150,9 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     _, arrays = tf.while_loop(lambda i, _: i < size, body, (tf.constant(0), arrays))
     return [a.stack() for a in arrays]
 
-  if general_path == "loop":
+  if general_path == "loop" or any(isinstance(t, (tf.RaggedTensor, tf.SparseTensor))
+                                   for t in tf.nest.flatten(batch)):
+    # pfor over ragged or sparse examples fails, some of it only at run time (TF 2.20).
     return tf.function(loop)(batch) if tf.executing_eagerly() else loop(batch)
   try:  # In a function of its own: a conversion that fails while tracing leaves no ops in the
     # caller's graph (a failed pfor's stateful leftovers would still run there).
