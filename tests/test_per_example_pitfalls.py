@@ -304,3 +304,26 @@ def test_a_ragged_input_takes_the_general_path(traced):
   ref = [r[:, 0] for r in ref]
   fn = lambda b: per_example_gradients(model, h.xent, b)
   h.assert_close_rel(tf.function(fn)(batch) if traced else fn(batch), ref, 1e-5, "ragged")
+
+
+class Rematerialised(L.Layer):
+  """A Dense under tf.recompute_grad: its forward runs with gradient recording stopped."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = L.Dense(5, activation="tanh")
+
+  def call(self, x):
+    return tf.recompute_grad(self.dense)(x)
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_layer_under_recompute_grad_takes_the_general_path(traced):
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((4,)), Rematerialised(), L.Dense(2)])
+  batch = (tf.constant(np.random.default_rng(0).normal(size=(5, 4)), tf.float32),
+           tf.constant([0, 1, 1, 0, 1], tf.int32))
+  fn = lambda b: per_example_gradients(model, h.xent, b)
+  h.assert_close_rel(tf.function(fn)(batch) if traced else fn(batch),
+                     h.loop_grads(model, h.xent, batch, model.trainable_variables), 1e-5,
+                     "recompute_grad")  # Its gradients were zeros.

@@ -19,7 +19,8 @@ _MISSING = object()
 def recording_call(layer, rule, rec):
   """The call that records `layer` (its `rule`) on `rec`; build it before patching the layer.
 
-  It first asks `rec.batch_axis` whether the input is per example: if not, the layer is demoted
+  It first asks whether the caller's tape records here and `rec.batch_axis` whether the input is
+  per example: if not, the layer is demoted
   (`Recording.demote`) and its own call runs, as it does for the rest of the recorder's life.
   """
   original = layer.call  # Read before the patch: the layer's own call, for demoted calls.
@@ -29,7 +30,7 @@ def recording_call(layer, rule, rec):
     try:
       if all(l is not layer for l, _ in rec.recorder.layers):  # Demoted earlier in this pass.
         return original(inputs, *args, **kwargs)
-      problem = rec.batch_axis.problem(inputs)
+      problem = _recording_stopped() or rec.batch_axis.problem(inputs)
       if problem:
         rec.demote(layer, problem)
         return original(inputs, *args, **kwargs)
@@ -38,6 +39,19 @@ def recording_call(layer, rule, rec):
     finally:
       rec.inside.pop()
   return call
+
+
+def _recording_stopped() -> str:
+  """Why the caller's tape cannot see this call, or '': gradient recording is stopped on this
+  thread (the forward of `tf.recompute_grad`, `tape.stop_recording()`), so the recorded
+  output's gradient would be zero. The general path differentiates such layers itself."""
+  try:
+    from tensorflow.python import pywrap_tfe  # pylint: disable=g-import-not-at-top
+    stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
+  except (ImportError, AttributeError):
+    return ""
+  return ("it runs while gradient recording is stopped (inside tf.recompute_grad or "
+          "tape.stop_recording())") if stopped else ""
 
 
 def training_flag(args, kwargs):
