@@ -327,3 +327,34 @@ def test_a_layer_under_recompute_grad_takes_the_general_path(traced):
   h.assert_close_rel(tf.function(fn)(batch) if traced else fn(batch),
                      h.loop_grads(model, h.xent, batch, model.trainable_variables), 1e-5,
                      "recompute_grad")  # Its gradients were zeros.
+
+
+class CustomGradientDense(L.Layer):
+  """A Dense inside a tf.custom_gradient function whose gradient the user writes (exact here)."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.dense = L.Dense(5)
+
+  def call(self, x):
+    @tf.custom_gradient
+    def forward(v):
+      def backward(dy, variables=None):
+        return tf.matmul(dy, self.dense.kernel, transpose_b=True), [
+            tf.matmul(v, dy, transpose_a=True) if len(w.shape) == 2 else tf.reduce_sum(dy, 0)
+            for w in variables]
+      return self.dense(v), backward
+    return tf.tanh(forward(x))
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+def test_a_layer_inside_a_custom_gradient_takes_the_general_path(traced):
+  keras.utils.set_random_seed(0)
+  model = keras.Sequential([keras.Input((4,)), CustomGradientDense(), L.Dense(2)])
+  batch = (tf.constant(np.random.default_rng(1).normal(size=(6, 4)), tf.float32),
+           tf.constant([0, 1, 1, 0, 1, 0], tf.int32))
+  fn = lambda b: per_example_gradients(model, h.xent, b)
+  # Traced, the backward went around the recorded output: its gradients were zeros.
+  h.assert_close_rel(tf.function(fn)(batch) if traced else fn(batch),
+                     h.loop_grads(model, h.xent, batch, model.trainable_variables), 1e-5,
+                     "custom_gradient")

@@ -10,6 +10,8 @@
 Context: Python only, eagerly or while tracing; used by `recording.Recorder`.
 """
 import contextlib
+import os
+import sys
 
 from trainer.per_example import general
 
@@ -42,16 +44,30 @@ def recording_call(layer, rule, rec):
 
 
 def _recording_stopped() -> str:
-  """Why the caller's tape cannot see this call, or '': gradient recording is stopped on this
-  thread (the forward of `tf.recompute_grad`, `tape.stop_recording()`), so the recorded
-  output's gradient would be zero. The general path differentiates such layers itself."""
+  """Why the caller's backward pass cannot reach this call's output, or '': gradient recording
+  is stopped on this thread (eagerly the forward of `tf.custom_gradient` and
+  `tf.recompute_grad`; `tape.stop_recording()`), or, traced, the call runs inside a
+  `tf.custom_gradient` function, whose backward goes from its outputs straight to its inputs
+  by the user's gradient. Either way the recorded output's gradient would be zero. The general
+  path differentiates such layers itself."""
   try:
     from tensorflow.python import pywrap_tfe  # pylint: disable=g-import-not-at-top
     stopped = pywrap_tfe.TFE_Py_TapeSetIsStopped()
   except (ImportError, AttributeError):
-    return ""
-  return ("it runs while gradient recording is stopped (inside tf.recompute_grad or "
-          "tape.stop_recording())") if stopped else ""
+    stopped = False
+  if stopped:
+    return ("it runs while gradient recording is stopped (inside tf.custom_gradient, "
+            "tf.recompute_grad or tape.stop_recording())")
+  frame = sys._getframe(1)  # pylint: disable=protected-access
+  while frame is not None:  # Tracing: TF's decorator for custom gradients in graph mode.
+    code = frame.f_code
+    if code.co_name == "_graph_mode_decorator" and code.co_filename.endswith(_CUSTOM_GRADIENT):
+      return "it runs inside a tf.custom_gradient function (its backward skips the call)"
+    frame = frame.f_back
+  return ""
+
+
+_CUSTOM_GRADIENT = os.path.join("ops", "custom_gradient.py")
 
 
 def training_flag(args, kwargs):
