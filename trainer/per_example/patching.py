@@ -13,6 +13,8 @@ import contextlib
 import os
 import sys
 
+import tensorflow as tf
+
 from trainer.per_example import general
 
 _MISSING = object()
@@ -58,6 +60,8 @@ def _recording_stopped() -> str:
   if stopped:
     return ("it runs while gradient recording is stopped (inside tf.custom_gradient, "
             "tf.recompute_grad or tape.stop_recording())")
+  if tf.executing_eagerly():  # The stack walk below is for tracing only.
+    return ""
   frame = sys._getframe(1)  # pylint: disable=protected-access
   while frame is not None:  # Tracing: TF's decorator for custom gradients in graph mode.
     code = frame.f_code
