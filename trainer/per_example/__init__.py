@@ -5,7 +5,8 @@ Modules, one concept each (every module's docstring states its execution context
   EinsumDense/MultiHeadAttention, Embedding, LayerNormalization, GroupNormalization, Conv1D/2D/3D,
   their transposes, DepthwiseConv, SeparableConv), built on `terms.py`.
 * `recording.py`: `Recorder`, which records the caller's own forward pass for those formulas;
-  `examples_axis.py` and `reads.py` tell it which layers must take the general path instead.
+  `examples_axis.py` (where the examples are: `labelling.py`, `axis_rules.py`) and `reads.py`
+  tell it which layers must take the general path instead.
 * `general.py`: the general path for any other variable (`vectorized_map` | `loop` | `error`).
 * `gradients.py`: `per_example_gradients`, materialised [B, *shape] per variable.
 * `ghost.py`: `ghost_norms`, per-example squared norms now and dots with a later gradient,

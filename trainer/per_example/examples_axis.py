@@ -12,14 +12,18 @@ to equal B (and a wrong shape otherwise); the sum over the examples, the update,
 `BatchAxis(batch).problem(x)` tells, while a recorded forward runs, why `x` cannot be read per
 example ('' when it can, as far as can be told):
 * statically: `x.shape[0]` known and different from the batch's static size;
-* traced (x a graph tensor): x does not depend on the values of any tensor of the batch, by a
-  walk of the graph from x's op through op inputs (not through ops that read only a shape, and
-  through the captures of nested function graphs to the tensors they capture);
+* traced (x a graph tensor): where the batch's examples are in x, by `labelling.Labeller`: a
+  walk of the graph back from x to the batch's tensors that applies `axis_rules` op by op
+  (through nested function graphs, branches and loops). A problem when x does not depend on
+  the values of the batch, when its examples are on another axis (time-major [T, B, F], also
+  with T == B), and when its rows are the examples in another order or mixed (x[::-1], a
+  gather or shuffle of the rows);
 * a tf.SparseTensor or tf.RaggedTensor input (no formula reads one).
-What it cannot see: an axis 0 of the same static size that depends on the batch but is not its
-example axis (time-major with T == B), and a batch-independent input run eagerly (eager tensors
-keep no history). For the eager case `scout` traces the forward once, in a scratch graph that
-never runs, so that the recorder learns which calls to demote before the eager forward.
+What it cannot see: a batch-independent or moved input run eagerly (eager tensors keep no
+history). For the eager case `scout` traces the forward once, in a scratch graph that never
+runs, so that the recorder learns which calls to demote before the eager forward.
+Rows moved and moved back (x[::-1] then [::-1] again) stay moved for every layer after them:
+those layers take the general path too (exact, slower).
 The recorder demotes the layers found to the general path (`recording.py`).
 
 Context: Python only (reads graph structure; creates no ops), eager or while tracing.
@@ -30,7 +34,9 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from trainer.per_example import axis_rules
 from trainer.per_example import general
+from trainer.per_example import labelling
 
 
 def _leaves(batch, expand):
@@ -56,7 +62,9 @@ class BatchAxis:
                            batch is not None) else None
     leaves = [] if batch is None else _leaves(batch, expand=True)
     self._targets = {t.ref() for t in leaves}
-    self._clean = set()  # Ops known not to depend on the batch (memo across calls).
+    self._labeller = labelling.Labeller({
+        t.ref(): axis_rules.Examples(0, 1, t.shape[0]) if t.shape.rank else None
+        for t in leaves})
 
   def problem(self, x) -> str:
     """'' when axis 0 of `x` can be taken as the example axis; else why not (one phrase)."""
@@ -78,9 +86,18 @@ class BatchAxis:
     parts = tf.nest.flatten(x, expand_composites=True)  # A RaggedTensor's components.
     if any(isinstance(t, tf.__internal__.EagerTensor) for t in parts):
       return ""  # No history to read (see `scout`).
-    if not any(self._depends_on_batch(t) for t in parts):
+    labels = [self._labeller.label(t) for t in parts]
+    if all(axis is None for axis, _ in labels):
       return ("its input does not depend on the values of the batch (it is shared by the "
               "examples, or broadcast over them)")
+    for label, via in labels:
+      if label == axis_rules.MOVED:
+        return f"its input holds the batch's rows in another order or mixed (after {via})"
+      if label is not None and not label.in_order:
+        where = (f"on axis {label.axis}" if label.inner == 1 else
+                 f"interleaved along axis {label.axis}")
+        return f"its input's axis 0 is not the example axis: the examples are {where} " \
+               f"(after {via})"
     return ""
 
   def checked(self, x, name):
@@ -99,44 +116,6 @@ class BatchAxis:
             "general path)"))  # (No quotes: the run-time message escapes them.)
     with tf.control_dependencies([check]):
       return tf.identity(x)
-
-  def _depends_on_batch(self, tensor) -> bool:
-    stack, seen = [tensor], set()
-    while stack:
-      t = stack.pop()
-      if t.ref() in self._targets:
-        return True
-      if isinstance(t, tf.__internal__.EagerTensor):
-        continue
-      op = t.op
-      if id(op) in seen or id(op) in self._clean:
-        continue
-      seen.add(id(op))
-      external = _captured(t)
-      if external is not None:  # A placeholder of a nested function: what it captures.
-        stack.append(external)
-      if op.type not in _SHAPE_ONLY:
-        stack.extend(op.inputs)
-    self._clean.update(seen)
-    return False
-
-
-# Ops whose outputs carry the shape of their input, not its values: a tensor made from the
-# batch's shape alone (`arange(shape(x)[1])` position ids, a query broadcast to [B, N, D]) does
-# not hold per-example values. Sending the layer to the general path is exact in either case.
-_SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank"})
-
-
-def _captured(t):
-  """The outer tensor a function graph's placeholder `t` captures, or None."""
-  graph = t.graph
-  captures = getattr(graph, "captures", None)
-  if t.op.type != "Placeholder" or not captures:
-    return None
-  for external, internal in captures:
-    if internal is t:
-      return external
-  return None
 
 
 def scout(recorder, loss_fn, batch) -> None:
