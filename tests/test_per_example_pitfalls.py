@@ -358,3 +358,19 @@ def test_a_layer_inside_a_custom_gradient_takes_the_general_path(traced):
   h.assert_close_rel(tf.function(fn)(batch) if traced else fn(batch),
                      h.loop_grads(model, h.xent, batch, model.trainable_variables), 1e-5,
                      "custom_gradient")
+
+
+def test_the_general_path_runs_as_loop_where_pfor_fails_or_crashes(caplog):
+  from trainer.per_example import general  # pylint: disable=g-import-not-at-top
+  from trainer.per_example import kernels  # pylint: disable=g-import-not-at-top
+  assert kernels.onednn_on()  # conftest turns oneDNN on: TF's default on newer x86 CPUs.
+  dense = keras.Sequential([keras.Input((3,)), L.Dense(2)])
+  attention = h.text_transformer(length=4)
+  batch = (tf.zeros([2, 3]), tf.zeros([2], tf.int32))
+  ragged = (tf.ragged.constant([[1], [2, 3]]), tf.zeros([2], tf.int32))
+  assert general._chosen_path(dense, batch, "vectorized_map") == "vectorized_map"  # pylint: disable=protected-access
+  assert general._chosen_path(dense, ragged, "vectorized_map") == "loop"  # pylint: disable=protected-access
+  for _ in range(2):  # Logged once per model.
+    assert general._chosen_path(attention, batch, "vectorized_map") == "loop"  # pylint: disable=protected-access
+  assert caplog.text.count("runs as 'loop'") == 1
+  assert general._chosen_path(attention, batch, "error") == "error"  # pylint: disable=protected-access

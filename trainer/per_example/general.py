@@ -9,7 +9,9 @@
   get here. Where pfor cannot convert the function at all (it raises while tracing, e.g. an
   LSTM over a masked Embedding: "`dtype` variant is not compatible"), the `loop` below runs
   instead, with a logged warning; an error of the function itself (the user's loss) is raised
-  as the loop raises it.
+  as the loop raises it. `vectorized_map` also runs as `loop` where pfor is known to fail: for
+  ragged or sparse batches (some of it only at run time), and for models with Keras attention
+  on oneDNN's CPU kernels (the segfault above; logged once per model). `_chosen_path` decides.
 * `loop`: a compiled `tf.while_loop` over the examples, each iteration one example's
   GradientTape. Slower (B small forward/backward passes) but nothing is vectorized, so no crash.
   Called eagerly, the loop is wrapped in a `tf.function` (traced on every call).
@@ -19,11 +21,16 @@
 Each general-path example runs its own forward pass (batch size 1): random layers draw their own
 masks there. Runs eagerly or traced, in replica or cross-replica context; no communication.
 """
+import weakref
+
 from absl import logging
 import keras
 import tensorflow as tf
 
+from trainer.per_example import kernels
+
 PATHS = ("vectorized_map", "loop", "error")
+_WARNED = weakref.WeakSet()  # Models whose pfor crash was logged (once per process).
 
 
 class Refused(ValueError):
@@ -70,6 +77,30 @@ def demotion_refusal(layer, problem) -> str:
   """The one-line error for a layer sent to the general path while general_path='error'."""
   return (f"per_example: general_path='error' and {type(layer).__name__} '{layer.name}' cannot "
           f"use its direct formula: {problem}")
+
+
+def flat_layers(model) -> list:
+  """The model and all its nested Keras layers; [] for non-Keras models (general path only)."""
+  if not isinstance(model, keras.layers.Layer):
+    return []
+  return model._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
+
+
+def _chosen_path(model, batch, general_path) -> str:
+  """'loop' where `vectorized_map` is known to fail or crash (module docstring), else
+  `general_path`."""
+  if general_path != "vectorized_map":
+    return general_path
+  if any(isinstance(t, (tf.RaggedTensor, tf.SparseTensor)) for t in tf.nest.flatten(batch)):
+    return "loop"
+  if kernels.pfor_crashes_on(flat_layers(model)):
+    if model not in _WARNED:
+      _WARNED.add(model)
+      logging.warning("per_example: general_path=vectorized_map runs as 'loop' for %s: pfor "
+                      "through Keras attention on oneDNN's CPU kernels crashes TF 2.20",
+                      getattr(model, "name", type(model).__name__))
+    return "loop"
+  return general_path
 
 
 def _example_at(i):
@@ -150,9 +181,7 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     _, arrays = tf.while_loop(lambda i, _: i < size, body, (tf.constant(0), arrays))
     return [a.stack() for a in arrays]
 
-  if general_path == "loop" or any(isinstance(t, (tf.RaggedTensor, tf.SparseTensor))
-                                   for t in tf.nest.flatten(batch)):
-    # pfor over ragged or sparse examples fails, some of it only at run time (TF 2.20).
+  if _chosen_path(model, batch, general_path) == "loop":
     return tf.function(loop)(batch) if tf.executing_eagerly() else loop(batch)
   try:  # In a function of its own: a conversion that fails while tracing leaves no ops in the
     # caller's graph (a failed pfor's stateful leftovers would still run there).

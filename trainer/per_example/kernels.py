@@ -41,8 +41,8 @@ def eigen_cpu() -> bool:
   return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
 
 
-def pfor_crashes_on(model) -> bool:
-  """Whether `tf.vectorized_map` through `model` is known to kill the process here.
+def pfor_crashes_on(layers) -> bool:
+  """Whether `tf.vectorized_map` through a model made of `layers` is known to kill the process.
 
   TF 2.20 with oneDNN's CPU kernels on segfaults (SIGSEGV, B >= 2) when pfor vectorizes a
   forward pass through Keras MultiHeadAttention (its EinsumDense projections and attention
@@ -52,7 +52,4 @@ def pfor_crashes_on(model) -> bool:
     return False
   import keras  # pylint: disable=g-import-not-at-top
   attention = (keras.layers.MultiHeadAttention, keras.layers.EinsumDense)
-  if not isinstance(model, keras.layers.Layer):
-    return False
-  return any(isinstance(layer, attention)
-             for layer in model._flatten_layers(include_self=True, recursive=True))  # pylint: disable=protected-access
+  return any(isinstance(layer, attention) for layer in layers)

@@ -38,7 +38,6 @@ import tensorflow as tf
 
 from trainer.per_example import examples_axis
 from trainer.per_example import general
-from trainer.per_example import kernels
 from trainer.per_example import layers
 from trainer.per_example import patching
 from trainer.per_example import reads
@@ -69,13 +68,6 @@ def keys(v) -> tuple:
 
 def _find(mapping, v, default=None):
   return next((mapping[k] for k in keys(v) if k in mapping), default)
-
-
-def flat_layers(model) -> list:
-  """The model and all its nested Keras layers; [] for non-Keras models (general path only)."""
-  if not isinstance(model, keras.layers.Layer):
-    return []
-  return model._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
 
 
 def variable_name(v) -> str:
@@ -122,11 +114,11 @@ class Recorder:
       for k in keys(v):
         self._index.setdefault(k, i)
     self.layers, covered, reasons = [], set(), {}
-    all_layers = flat_layers(model)
+    all_layers = general.flat_layers(model)
     looped = {}
     for wrapper in all_layers:
       if _loops_over_its_layers(wrapper):
-        for inner in flat_layers(wrapper)[1:]:
+        for inner in general.flat_layers(wrapper)[1:]:
           looped.setdefault(id(inner), wrapper)
     for layer in all_layers:
       rule, reason = layers.rule_for(layer)
@@ -247,22 +239,11 @@ class Recorder:
                              for layer in self._bn_layers])
 
   def general_gradients(self, loss_fn, batch) -> list:
-    """[B, *shape] per general variable, by `general_path` (its own forward passes).
-
-    `vectorized_map` runs as `loop` where pfor is known to kill the process: through Keras
-    attention (MultiHeadAttention, EinsumDense) on oneDNN's CPU kernels (logged once).
-    """
-    path = self.general_path
-    if path == "vectorized_map" and self.general_variables and kernels.pfor_crashes_on(
-        self.model):
-      path = "loop"
-      if self.model not in _WARNED:
-        _WARNED.add(self.model)
-        logging.warning("per_example: general_path=vectorized_map runs as 'loop' for %s: pfor "
-                        "through Keras attention on oneDNN's CPU kernels crashes TF 2.20",
-                        getattr(self.model, "name", type(self.model).__name__))
+    """[B, *shape] per general variable, by `general_path` (its own forward passes; see
+    `general.py` for where `vectorized_map` runs as `loop`)."""
     return general.no_autograph(general.gradients)(
-        self.model, general.user_fn(loss_fn), batch, self.general_variables, path, self.guard)
+        self.model, general.user_fn(loss_fn), batch, self.general_variables, self.general_path,
+        self.guard)
 
 
 class Recording:
