@@ -198,3 +198,30 @@ def test_common_models_keep_their_direct_formulas(name):
   assert recorder.layers, name
   expected = ({model.layers[1].dense.name} if name == "time_major_and_back" else set())
   assert {layer.name for layer, _ in recorder.demoted} == expected, recorder.demoted
+
+
+class RaggedToDense(keras.Model):
+  """Ragged token ids made dense inside the model, then Embedding -> pooling -> Dense."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.embedding = L.Embedding(20, 4)
+    self.dense = L.Dense(2)
+
+  def call(self, ragged_ids):
+    return self.dense(tf.reduce_mean(self.embedding(ragged_ids.to_tensor(shape=[None, 3])), 1))
+
+
+def test_a_ragged_batch_made_dense_in_the_model_keeps_its_direct_formulas():
+  keras.utils.set_random_seed(0)
+  model = RaggedToDense()
+  batch = (tf.ragged.constant([[1, 2, 3], [4], [5, 6]]), tf.constant([0, 1, 1]))
+  model(batch[0])
+  recorder = Recorder(model)
+  recorder.scout(h.xent, batch)
+  assert recorder.layers and not recorder.demoted, recorder.demoted
+  grads = tf.function(lambda b: per_example_gradients(model, h.xent, b))(batch)
+  ref = [np.stack(rows) for rows in zip(*(
+      h.loop_grads(model, h.xent, (batch[0][i:i + 1], batch[1][i:i + 1]),
+                   model.trainable_variables) for i in range(3)))]
+  h.assert_close_rel(grads, [r[:, 0] for r in ref], 1e-5, "ragged to dense")

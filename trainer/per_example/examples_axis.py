@@ -62,9 +62,15 @@ class BatchAxis:
                            batch is not None) else None
     leaves = [] if batch is None else _leaves(batch, expand=True)
     self._targets = {t.ref() for t in leaves}
-    self._labeller = labelling.Labeller({
-        t.ref(): axis_rules.Examples(0, 1, t.shape[0]) if t.shape.rank else None
-        for t in leaves})
+    dense = [] if batch is None else [t for t in _leaves(batch, expand=False)
+                                      if isinstance(t, tf.Tensor)]
+    # The components of a ragged or sparse batch tensor (values, row splits, indices) have no
+    # axis of B examples; they count as in order, without a size, so that `to_tensor()` of them
+    # is (reading such a component directly meets the rows check).
+    seeds = {t.ref(): axis_rules.Examples(0, 1, None) if t.shape.rank else None for t in leaves}
+    seeds.update({t.ref(): axis_rules.Examples(0, 1, t.shape[0]) if t.shape.rank else None
+                  for t in dense})
+    self._labeller = labelling.Labeller(seeds)
 
   def problem(self, x) -> str:
     """'' when axis 0 of `x` can be taken as the example axis; else why not (one phrase)."""
