@@ -67,6 +67,8 @@ LABELS = [
     ("matmul_over_examples", lambda x: tf.matmul(x[:, 0], x[:, 0], transpose_a=True), None),
     ("batched_matmul", lambda x: tf.matmul(x, x, transpose_b=True), Examples(0, 1, B)),
     ("from_shape_only", lambda x: tf.ones(tf.shape(x)), None),
+    ("dilated_convolution", lambda x: tf.nn.convolution(x, tf.ones([3, F, 2]), dilations=2),
+     Examples(0, 1, B)),  # SpaceToBatchND, the convolution, BatchToSpaceND.
     ("cond_reversed", lambda x: tf.cond(tf.reduce_sum(x) > 0, lambda: x, lambda: x[::-1]), MOVED),
     ("cond_same", lambda x: tf.cond(tf.reduce_sum(x) > 0, lambda: x, lambda: -x),
      Examples(0, 1, B)),
@@ -181,6 +183,8 @@ COMMON = {
         lambda z: L.Flatten()(L.TimeDistributed(L.Dense(3))(z))),
     "einsum_dense": lambda: _sequence_model(
         lambda z: L.Flatten()(L.EinsumDense("abc,cd->abd", (T, 3))(z))),
+    "dilated_conv1d": lambda: _sequence_model(lambda z: L.Flatten()(L.Conv1D(
+        3, 3, dilation_rate=2, padding="same")(L.Conv1D(4, 2, dilation_rate=2)(z)))),
     "time_major_and_back": lambda: _sequence_model(
         lambda z: L.Flatten()(L.Dense(3)(TimeMajorDense()(z)))),
 }

@@ -34,8 +34,7 @@ _BROADCASTING = frozenset({
     "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "BroadcastTo",
     "MulNoNan", "Xdivy", "Xlogy", "Atan2", "BitwiseAnd", "BitwiseOr", "BitwiseXor"})
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
-_ROWS_OF_AXIS_ZERO_MIXED = frozenset({"RandomShuffle", "SpaceToBatchND", "BatchToSpaceND",
-                                      "SpaceToBatch", "BatchToSpace", "ScatterNd",
+_ROWS_OF_AXIS_ZERO_MIXED = frozenset({"RandomShuffle", "ScatterNd",
                                       "TensorScatterUpdate", "TensorScatterAdd",
                                       "TensorScatterSub", "TensorScatterMax", "TensorScatterMin",
                                       "TensorListPopBack", "TensorListGather",
@@ -68,8 +67,8 @@ def output_label(op, labels):
   found = set()
   for i, label in live:
     try:
-      if op.type == "Reshape":
-        found.add(_reshape(op, i, label))
+      if op.type in _WHOLE_LABEL_RULES:
+        found.add(_WHOLE_LABEL_RULES[op.type](op, i, label))
         continue
       axis = rule(op, i, label.axis)
     except (ValueError, TypeError, IndexError, AttributeError) as e:  # An op unlike its rule's.
@@ -354,6 +353,14 @@ def _einsum(op, i, k):
   return out_labels.index(label) if label in out_labels else None
 
 
+def _space_to_batch(op, i, label):
+  """SpaceToBatchND (TF's dilated convolutions) moves blocks of positions into axis 0, block by
+  block: index j of the result belongs to example j % B. BatchToSpaceND puts them back."""
+  if i != 0 or not label.in_order:
+    return MOVED
+  return Examples(0, 1, label.size)
+
+
 def _list_item(op, i, k):
   """TensorListGetItem(list, index, shape): an element drops the list's axis 0."""
   if i != 0 or k == 0:
@@ -383,3 +390,7 @@ _RULES = {
     "TensorListPushBack": _list_set,
     **{name: _reduction for name in _REDUCTIONS},
 }
+# Rules that read the whole label (the examples' stride), not only their axis.
+_WHOLE_LABEL_RULES = {"Reshape": _reshape, "SpaceToBatchND": _space_to_batch,
+                      "BatchToSpaceND": _space_to_batch, "SpaceToBatch": _space_to_batch,
+                      "BatchToSpace": _space_to_batch}

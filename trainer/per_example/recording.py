@@ -193,7 +193,7 @@ class Recorder:
     """
     rec = Recording(self, tape, batch)
     with self.guard(), reads.trainable_reads() as read_ids, reads.outside_calls(
-        self, rec) as outside, patching.patched(
+        self, rec) as outside, patching.inner_tapes() as rec.open_tapes, patching.patched(
             [(layer, patching.recording_call(layer, rule, rec)) for layer, rule in self.layers]):
       yield rec
       read_ids = read_ids()
@@ -274,6 +274,7 @@ class Recording:
     self.joints = []
     self.batch_size = None
     self.inside = []
+    self.open_tapes = []  # Tapes opened inside the recorded forward (`patching.inner_tapes`).
     self._tape = tape
 
   def watch(self, tensor) -> int:
