@@ -3,6 +3,8 @@
 `Streamed` reads through a tf.data factory (the streaming path): generated features, shuffled with
 a fixed seed, mapped; it resumes by restoring the input iterator. `NoMetrics` has no metrics and
 dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError.
+`GradientPenalty` differentiates the model inside its loss; `PositionTransformer` adds a
+position Embedding that does not depend on the batch.
 """
 import keras
 import numpy as np
@@ -64,6 +66,21 @@ class NoMetrics(base_task.Task):
 
   def per_example_loss(self, model, batch, training):
     return base_task.LossOutput(loss=_xent(model, batch, training)[0])
+
+
+class GradientPenalty(NoMetrics):
+  """Cross-entropy plus a penalty on the input gradient of the first logit, per example: a loss
+  that differentiates the model (its per-example gradients need the general path)."""
+
+  def per_example_loss(self, model, batch, training):
+    x = tf.convert_to_tensor(batch["x"])
+    with tf.GradientTape() as inner:
+      inner.watch(x)
+      logits = model(x, training=training)
+      first = tf.reduce_sum(logits[:, 0])
+    penalty = tf.reduce_sum(tf.square(inner.gradient(first, x)), 1)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits)
+    return base_task.LossOutput(loss=loss + 0.1 * penalty)
 
 
 class BadLoss(NoMetrics):

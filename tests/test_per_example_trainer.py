@@ -100,17 +100,26 @@ def test_statistics_equal_the_materialised_oracle(tmp_path, replicas, k, model):
       np.testing.assert_allclose(float(got), value, rtol=1e-5, err_msg=name)
 
 
-def test_a_position_embedding_takes_the_general_path_in_the_trainer_hook(tmp_path):
-  """The position Embedding over arange(T) is not per example (T == 4 rows whatever B): the
-  hook must send it to the general path. Its statistics equal the oracle's and the update
-  equals the one without statistics (the demoted variables' gradient comes from the tape)."""
+GENERAL_IN_THE_HOOK = {  # task: the variables its model must send to the general path.
+    "PositionTransformer": lambda model: [model.layers[1].positions.embeddings],
+    "GradientPenalty": lambda model: model.trainable_variables,
+}
+
+
+@pytest.mark.parametrize("task_name", sorted(GENERAL_IN_THE_HOOK))
+def test_layers_the_formulas_cannot_serve_take_the_general_path_in_the_trainer_hook(tmp_path,
+                                                                                   task_name):
+  """The position Embedding over arange(T) is not per example (T == 4 rows whatever B); a loss
+  with an input-gradient penalty differentiates the model inside the loss. The hook must send
+  those layers to the general path. Its statistics equal the oracle's and the update equals
+  the one without statistics (the demoted variables' gradient comes from the tape)."""
   moved = {}
   for every in (1, 0):
     overrides = {"per_example.every_steps": every, "train_steps": 1, "batch_size": 8,
                  "optimizer.name": "sgd", "optimizer.learning_rate": 0.1}  # (Adam's first
     # step has the size of the learning rate for any nonzero gradient: rounding noise too.)
     config = helpers.tiny_config(**overrides)
-    task = example_tasks.PositionTransformer(config)
+    task = getattr(example_tasks, task_name)(config)
     strategy, trainer = helpers.build(config, tmp_path / str(every), task)
     initial, _ = helpers.snapshot(strategy, trainer)
     writer = tf.summary.create_file_writer(str(tmp_path / f"tb{every}"))
@@ -120,8 +129,8 @@ def test_a_position_embedding_takes_the_general_path_in_the_trainer_hook(tmp_pat
     after, _ = helpers.snapshot(strategy, trainer)
     moved[every] = [a - b for a, b in zip(after, initial)]
     if every:
-      assert trainer.statistics.recorder.general_variables == [
-          trainer.model.layers[1].positions.embeddings]
+      assert [id(v) for v in trainer.statistics.recorder.general_variables] == [
+          id(v) for v in GENERAL_IN_THE_HOOK[task_name](trainer.model)]
   for k, (fast, tape) in enumerate(zip(moved[1], moved[0])):
     scale = float(np.max(np.abs(tape)))
     assert scale > 0, f"variable {k} did not move"
