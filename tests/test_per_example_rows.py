@@ -47,9 +47,9 @@ LABELS = [
     ("einsum_ellipsis", lambda x: tf.einsum("...f,fo->...o", x, tf.ones([F, 3])),
      Examples(0, 1, B)),
     ("einsum_time_major", lambda x: tf.einsum("btf->tbf", x), Examples(1, 1, B)),
-    ("einsum_over_examples", lambda x: tf.einsum("btf,btg->fg", x, x), None),
-    ("mean_over_examples", lambda x: tf.reduce_mean(x, 0), None),
-    ("centred", lambda x: x - tf.reduce_mean(x, 0, keepdims=True), Examples(0, 1, B)),
+    ("einsum_over_examples", lambda x: tf.einsum("btf,btg->fg", x, x), MOVED),
+    ("mean_over_examples", lambda x: tf.reduce_mean(x, 0), MOVED),
+    ("centred", lambda x: x - tf.reduce_mean(x, 0, keepdims=True), MOVED),  # Mixed.,
     ("mean_over_steps", lambda x: tf.reduce_mean(x, 1), Examples(0, 1, B)),
     ("stacked", lambda x: tf.stack([x, x]), Examples(1, 1, B)),
     ("unstacked_steps", lambda x: tf.unstack(x, axis=1)[0], Examples(0, 1, B)),
@@ -58,15 +58,35 @@ LABELS = [
     ("gather_permutation", lambda x: tf.gather(x, [5, 4, 3, 2, 1, 0]), MOVED),
     ("gather_steps", lambda x: tf.gather(x, [0, 2], axis=1), Examples(0, 1, B)),
     ("shuffle", lambda x: tf.random.shuffle(x), MOVED),
+    ("sorted_over_examples", lambda x: tf.sort(x, axis=0), MOVED),
+    ("sorted_over_features", lambda x: tf.sort(x, axis=-1), Examples(0, 1, B)),
+    ("unique_rows", lambda x: tf.unique(x[:, 0, 0])[0], MOVED),
     ("roll_examples", lambda x: tf.roll(x, 1, 0), MOVED),
     ("roll_steps", lambda x: tf.roll(x, 1, 1), Examples(0, 1, B)),
     ("reverse_examples", lambda x: tf.reverse(x, [0]), MOVED),
     ("tile_steps", lambda x: tf.tile(x, [1, 2, 1]), Examples(0, 1, B)),
     ("tile_examples", lambda x: tf.tile(x, [2, 1, 1]), MOVED),
     ("matmul_rows", lambda x: tf.matmul(x[:, 0], tf.ones([F, 3])), Examples(0, 1, B)),
-    ("matmul_over_examples", lambda x: tf.matmul(x[:, 0], x[:, 0], transpose_a=True), None),
+    ("matmul_over_examples", lambda x: tf.matmul(x[:, 0], x[:, 0], transpose_a=True), MOVED),
     ("batched_matmul", lambda x: tf.matmul(x, x, transpose_b=True), Examples(0, 1, B)),
     ("from_shape_only", lambda x: tf.ones(tf.shape(x)), None),
+    ("cumsum_over_examples", lambda x: tf.cumsum(x, 0), MOVED),
+    ("cumsum_over_steps", lambda x: tf.cumsum(x, 1), Examples(0, 1, B)),
+    ("pooled_over_examples", lambda x: tf.transpose(tf.nn.max_pool1d(
+        tf.transpose(x, [1, 0, 2]), 2, 1, "SAME"), [1, 0, 2]), MOVED),
+    ("pooled_over_steps", lambda x: tf.nn.max_pool1d(x, 2, 1, "SAME"), Examples(0, 1, B)),
+    ("softmax_over_examples", lambda x: tf.nn.softmax(x, axis=0), MOVED),
+    ("softmax_over_features", lambda x: tf.nn.softmax(x), Examples(0, 1, B)),
+    ("bias_from_the_batch", lambda x: tf.nn.bias_add(tf.zeros([T, B]), x[:, 0, 0]), MOVED),
+    ("segment_sum", lambda x: tf.math.unsorted_segment_sum(x, [5, 4, 3, 2, 1, 0], B), MOVED),
+    ("inverse_over_examples", lambda x: tf.linalg.inv(x[:, :, 0]), MOVED),  # No rule: MOVED.
+    ("fft_over_examples", lambda x: tf.transpose(tf.signal.fft(tf.cast(
+        tf.transpose(x, [1, 2, 0]), tf.complex64)), [2, 0, 1]), MOVED),
+    ("py_function", lambda x: tf.py_function(lambda v: v[::-1], [x], tf.float32), MOVED),
+    ("padded_steps", lambda x: tf.pad(x, [[0, 0], [1, 1], [0, 0]]), Examples(0, 1, B)),
+    ("padded_examples", lambda x: tf.pad(x, [[1, 0], [0, 0], [0, 0]]), MOVED),
+    ("resized", lambda x: tf.image.resize(x[..., None], [3, 3]), Examples(0, 1, B)),
+    ("one_hot", lambda x: tf.one_hot(tf.cast(x[:, :, 0] > 0, tf.int32), 2), Examples(0, 1, B)),
     ("dilated_convolution", lambda x: tf.nn.convolution(x, tf.ones([3, F, 2]), dilations=2),
      Examples(0, 1, B)),  # SpaceToBatchND, the convolution, BatchToSpaceND.
     ("cond_reversed", lambda x: tf.cond(tf.reduce_sum(x) > 0, lambda: x, lambda: x[::-1]), MOVED),
@@ -103,7 +123,8 @@ class TimeMajorDense(L.Layer):
 
 
 class PermutedDense(L.Layer):
-  """A Dense on the batch's rows in another order (`how`), put back in order afterwards."""
+  """A Dense on the batch's rows in another order or mixed across examples (`how`), put back
+  in order afterwards where they were reordered."""
 
   def __init__(self, how, **kwargs):
     super().__init__(**kwargs)
@@ -116,6 +137,10 @@ class PermutedDense(L.Layer):
       return self.dense(x[::-1])[::-1]
     if self.how == "gather":
       return tf.gather(self.dense(tf.gather(x, order)), order)
+    if self.how == "cumsum":  # Mixed: row i sums examples 0..i.
+      return self.dense(tf.cumsum(x, 0))
+    if self.how == "centred":  # A hand-written batch normalisation: mixed.
+      return self.dense(x - tf.reduce_mean(x, 0, keepdims=True))
     if self.how == "cond":  # Reversed in one branch only.
       rows = tf.cond(tf.reduce_sum(x) > -1e9, lambda: x[::-1], lambda: x)
       return tf.cond(tf.reduce_sum(x) > -1e9, lambda: self.dense(rows)[::-1],
@@ -132,7 +157,8 @@ def _model(layer):
 
 CASES = {"time_major": TimeMajorDense, "reversed": lambda: PermutedDense("reversed"),
          "gather": lambda: PermutedDense("gather"), "cond": lambda: PermutedDense("cond"),
-         "nested_function": lambda: PermutedDense("nested_function")}
+         "nested_function": lambda: PermutedDense("nested_function"),
+         "cumsum": lambda: PermutedDense("cumsum"), "centred": lambda: PermutedDense("centred")}
 
 
 def _batch(seed=0):

@@ -2,30 +2,35 @@
 
 The walk of `labelling.py` (for `examples_axis.py`) labels each tensor of a traced forward pass
 with where the batch's examples are in it:
-* `None`: the tensor does not depend on the batch's values, or only through an aggregate over
-  the examples (a reduction or contraction over their axis: one value shared by all of them);
+* `None`: the tensor does not depend on the batch's values;
 * `Examples(axis, inner, size)`: along `axis`, index j belongs to example (j // inner) % size
   (the batch's own tensors: `Examples(0, 1, B)`; a [B*T, F] reshape of [B, T, F]:
   `Examples(0, T, B)`, which a later reshape back to [B, T, O] returns to `Examples(0, 1, B)`);
-* `MOVED`: it depends on the batch but no axis is the examples in order (x[::-1], a gather or a
-  shuffle of the rows, a transpose whose permutation is unknown).
+* `MOVED`: it depends on the batch but no axis holds the examples in order, each row from its
+  own example alone: rows reordered (x[::-1], a gather, sort or shuffle of the rows) or mixed
+  across examples (a sum, mean, cumsum, pooling or matrix product over the examples' axis,
+  `x - mean(x, 0)`: per-example gradients then differ from one example's own, which the general
+  path computes), or a transpose whose permutation is unknown.
 `output_label(op, labels)` maps the labels of an op's inputs to the label of its outputs. Ops
 that move axes (Transpose, ExpandDims, Pack, Einsum, MatMul, Reshape, ...) or rows (ReverseV2,
-Gather over the examples, slices with a stride, Roll, ...) have a rule here; every other op
-keeps the axis of its inputs (elementwise ops, convolutions, pooling, casts, nested function
-calls, ...). Broadcasting elementwise ops align their inputs from the right, as TensorFlow does.
-A constant operand a rule needs (a permutation, an axis, a static shape) that is not known
-while tracing gives `MOVED`: the caller then takes the exact, slower path.
+Gather over the examples, slices with a stride, Roll, sorts, ...) have a rule here, and so do
+ops that work along some axes (convolutions, pooling, softmax, cumsum, padding, resizing);
+elementwise ops keep the axis of their inputs, broadcasting ones aligned from the right as
+TensorFlow does. Every other op gives `MOVED` (an allowlist: an op nobody checked sends the
+layers after it to the exact, slower general path, and its name appears in the message), as
+does a constant operand a rule needs (a permutation, an axis, a static shape) that is not
+known while tracing.
 
 Context: Python only, while tracing (reads op attributes and constant inputs; creates no ops).
 """
 import dataclasses
-import math
 
 from absl import logging
-import tensorflow as tf
 
-MOVED = "moved"
+from trainer.per_example import axis_moves as moves
+
+MOVED = moves.MOVED
+Examples = moves.Examples
 
 # Elementwise ops that broadcast their operands from the right.
 _BROADCASTING = frozenset({
@@ -34,26 +39,29 @@ _BROADCASTING = frozenset({
     "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "BroadcastTo",
     "MulNoNan", "Xdivy", "Xlogy", "Atan2", "BitwiseAnd", "BitwiseOr", "BitwiseXor"})
 _REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
-_ROWS_OF_AXIS_ZERO_MIXED = frozenset({"RandomShuffle", "ScatterNd",
-                                      "TensorScatterUpdate", "TensorScatterAdd",
-                                      "TensorScatterSub", "TensorScatterMax", "TensorScatterMin",
-                                      "TensorListPopBack", "TensorListGather",
-                                      "TensorListScatter", "TensorListScatterV2",
-                                      "TensorListScatterIntoExistingList", "TensorListConcat",
-                                      "TensorListConcatV2", "TensorListSplit"})
-
-
-@dataclasses.dataclass(frozen=True)
-class Examples:
-  """Index j along `axis` belongs to example (j // inner) % size (`size` None if unknown)."""
-  axis: int
-  inner: int = 1
-  size: int | None = None
-
-  @property
-  def in_order(self) -> bool:
-    """Whether `axis` 0 holds the examples, one row each (given one row per example)."""
-    return self.axis == 0 and self.inner == 1
+# Elementwise ops with one data operand (or several of the same shape): they keep every axis.
+_ELEMENTWISE = frozenset({
+    "Identity", "StopGradient", "PreventGradient", "Snapshot", "CheckNumerics", "EnsureShape",
+    "Cast", "Bitcast", "Neg", "Abs", "Sign", "Reciprocal", "Inv", "Square", "Sqrt", "Rsqrt",
+    "Exp", "Expm1", "Log", "Log1p", "Sin", "Cos", "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh",
+    "Tanh", "Asinh", "Acosh", "Atanh", "Erf", "Erfc", "Erfinv", "Lgamma", "Digamma", "Floor",
+    "Ceil", "Round", "Rint", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Gelu", "Softplus",
+    "Softsign", "Sigmoid", "IsNan", "IsInf", "IsFinite", "LogicalNot", "ZerosLike", "OnesLike",
+    "Real", "Imag", "Conj", "ComplexAbs", "Angle", "ClipByValue", "AddN", "Select",
+    "TensorListFromTensor", "TensorListStack", "FakeQuantWithMinMaxArgs", "BesselI0e",
+    "BesselI1e", "Sinc",
+    "RaggedTensorToTensor", "SparseToDense"})  # (Rows from a ragged or sparse batch's parts.)
+# Ops that read NHWC-style data: axis 0 row by row, the other axes mixed.
+_BATCH_AXIS_OPS = ("Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2",
+                   "AvgPool", "MaxPool3D", "AvgPool3D", "ResizeBilinear", "ResizeNearestNeighbor",
+                   "ResizeBicubic", "ResizeArea", "ScaleAndTranslate", "LRN",
+                   "ExtractImagePatches", "DepthToSpace", "SpaceToDepth")
+_ROWS_OF_AXIS_ZERO_MIXED = frozenset({  # Rows of the examples' axis moved or mixed.
+    "RandomShuffle", "ScatterNd", "TensorScatterUpdate", "TensorScatterAdd", "TensorScatterSub",
+    "TensorScatterMax", "TensorScatterMin", "TensorListPopBack", "TensorListGather",
+    "TensorListScatter", "TensorListScatterV2", "TensorListScatterIntoExistingList",
+    "TensorListConcat", "TensorListConcatV2", "TensorListSplit", "Unique", "UniqueV2",
+    "UniqueWithCounts", "DynamicPartition", "DynamicStitch", "ParallelDynamicStitch"})
 
 
 def output_label(op, labels):
@@ -63,7 +71,8 @@ def output_label(op, labels):
     return None
   if any(a == MOVED for _, a in live) or op.type in _ROWS_OF_AXIS_ZERO_MIXED:
     return MOVED
-  rule = _RULES.get(op.type, _broadcast if op.type in _BROADCASTING else _same)
+  rule = _RULES.get(op.type) or (_broadcast if op.type in _BROADCASTING else
+                                  _same if op.type in _ELEMENTWISE else _no_rule)
   found = set()
   for i, label in live:
     try:
@@ -81,55 +90,65 @@ def output_label(op, labels):
   return found.pop() if len(found) == 1 else MOVED  # Two inputs disagree: rows are mixed.
 
 
-def _rank(t):
-  return t.shape.rank
-
-
-def _static(t):
-  """A tensor's value known while tracing, as a list (entries None where unknown), or None."""
-  try:
-    value = tf.get_static_value(t, partial=True)
-  except (TypeError, ValueError):
-    return None
-  if value is None:
-    return None
-  return [None if v is None else int(v) for v in value.reshape([-1]).tolist()]
-
-
-def _normalized(values, rank):
-  """Non-negative axes, or None when an axis or the rank is unknown."""
-  if values is None or any(v is None for v in values):
-    return None
-  if any(v < 0 for v in values) and rank is None:
-    return None
-  return [v + rank if v < 0 else v for v in values]
-
-
-def _same(op, i, k):
-  del op, i
+def _same(op, i, k):  # pylint: disable=unused-argument
   return k
 
 
 def _broadcast(op, i, k):
-  out_rank, in_rank = _rank(op.outputs[0]), _rank(op.inputs[i])
+  out_rank, in_rank = op.outputs[0].shape.rank, op.inputs[i].shape.rank
   if out_rank is None or in_rank is None:
     return k
   return k + out_rank - in_rank
 
 
-def _transpose(op, i, k):
-  perm = _static(op.inputs[1]) if i == 0 else None
-  if perm is None or None in perm or k >= len(perm):
-    return MOVED
-  return perm.index(k)
-
-
 def _axes_rule(axes_input):
   """Ops that move the rows along the axes in input `axes_input` (ReverseV2, Roll)."""
   def rule(op, i, k):
-    axes = _normalized(_static(op.inputs[axes_input]), _rank(op.inputs[0])) if i == 0 else None
+    if i != 0:
+      return MOVED
+    axes = moves.normalized(moves.static(op.inputs[axes_input]), op.inputs[0].shape.rank)
     return MOVED if axes is None or k in axes else k
   return rule
+
+
+def _along_last_axis(axes=1):
+  """Ops along the last `axes` axes (TopKV2 for `tf.sort`, Softmax, MatrixBandPart): they
+  reorder or mix the examples when those are there."""
+  def rule(op, i, k):
+    rank = op.inputs[0].shape.rank
+    if i != 0 or rank is None:
+      return MOVED
+    return MOVED if k >= rank - axes else k
+  return rule
+
+
+def _data_input(data, batch_axis_only=False):
+  """Ops that read one data input row by row; other inputs (a filter, a bias) that depend on
+  the batch mix it. Convolutions, pooling and resizing (`batch_axis_only`) also mix every axis
+  but the batch axis."""
+  def rule(op, i, k):
+    if i != data or (batch_axis_only and k != 0):
+      return MOVED
+    return k
+  return rule
+
+
+def _pad(op, i, k):
+  paddings = moves.static(op.inputs[1]) if i == 0 else None
+  if paddings is None or 2 * k + 1 >= len(paddings):
+    return MOVED
+  return k if paddings[2 * k] == 0 and paddings[2 * k + 1] == 0 else MOVED
+
+
+def _one_hot(op, i, k):
+  axis = op.get_attr("axis")
+  if i != 0:
+    return MOVED
+  return k + 1 if 0 <= axis <= k else k
+
+
+def _no_rule(op, i, k):  # pylint: disable=unused-argument
+  return MOVED
 
 
 def _reverse_sequence(op, i, k):
@@ -141,7 +160,7 @@ def _reverse_sequence(op, i, k):
 def _gather(op, i, k):
   """GatherV2(params, indices, axis)."""
   batch_dims = op.get_attr("batch_dims")
-  axis = _normalized(_static(op.inputs[2]), _rank(op.inputs[0]))
+  axis = moves.normalized(moves.static(op.inputs[2]), op.inputs[0].shape.rank)
   if i == 2 or axis is None:
     return MOVED
   axis = axis[0]
@@ -151,7 +170,7 @@ def _gather(op, i, k):
     return axis + k - batch_dims
   if k == axis:
     return MOVED  # Rows picked from the examples' axis: any order.
-  indices_rank = _rank(op.inputs[1])
+  indices_rank = op.inputs[1].shape.rank
   if k < axis:
     return k
   return MOVED if indices_rank is None else k + indices_rank - batch_dims - 1
@@ -160,205 +179,32 @@ def _gather(op, i, k):
 def _gather_nd(op, i, k):
   if i == 0:
     return k if k < op.get_attr("batch_dims") else MOVED
-  rank = _rank(op.inputs[1])
+  rank = op.inputs[1].shape.rank
   return k if rank is not None and k < rank - 1 else MOVED
 
 
-def _bit(mask, position):
-  return bool(mask >> position & 1)
-
-
-def _strided_slice(op, i, k):
-  """The input axis k through a strided slice: where it lands, or MOVED when the slice takes
-  some of its rows, reverses them or drops the axis."""
-  rank = _rank(op.inputs[0])
-  if i != 0 or rank is None:
-    return MOVED
-  begin, end, strides = (_static(op.inputs[j]) for j in (1, 2, 3))
-  if begin is None or end is None or strides is None:
-    return MOVED
-  get = op.get_attr
-  masks = {name: get(name) for name in ("begin_mask", "end_mask", "ellipsis_mask",
-                                        "new_axis_mask", "shrink_axis_mask")}
-  entries = len(strides)
-  consumed = sum(1 for e in range(entries) if not _bit(masks["ellipsis_mask"], e)
-                 and not _bit(masks["new_axis_mask"], e))
-  dim, out = 0, 0
-  for e in range(entries):
-    if _bit(masks["ellipsis_mask"], e):
-      covered = rank - consumed
-      if dim <= k < dim + covered:
-        return out + k - dim
-      dim, out = dim + covered, out + covered
-    elif _bit(masks["new_axis_mask"], e):
-      out += 1
-    elif dim == k:
-      if _bit(masks["shrink_axis_mask"], e) or strides[e] != 1:
-        return MOVED
-      size = op.inputs[0].shape[k]
-      starts_at_zero = _bit(masks["begin_mask"], e) or begin[e] == 0
-      ends_at_end = _bit(masks["end_mask"], e) or (
-          end[e] is not None and size is not None and end[e] >= size)
-      return out if starts_at_zero and ends_at_end else MOVED
-    else:
-      dim, out = dim + 1, out + (0 if _bit(masks["shrink_axis_mask"], e) else 1)
-  return out + k - dim  # Past the spec: axes kept as they are.
-
-
-def _slice(op, i, k):
-  begin, size = _static(op.inputs[1]), _static(op.inputs[2])
-  if i != 0 or begin is None or size is None or k >= len(begin):
-    return MOVED
-  full = op.inputs[0].shape[k]
-  return k if begin[k] == 0 and (size[k] == -1 or (full is not None and size[k] == full)) else MOVED
-
-
-def _reshape(op, i, label):
-  """A reshape keeps the elements' row-major order: the examples stay at the same stride of
-  the flat layout, inner * prod(dims after their axis), and land on the output axis whose
-  trailing product divides that stride. Unknown sizes: rows of axis 0 survive a reshape that
-  keeps axis 0's size (a different size is caught where a layer reads it: the rows check)."""
-  if i != 0:
-    return MOVED
-  before, after = op.inputs[0].shape, op.outputs[0].shape
-  dims_in = before.as_list() if before.rank is not None else None
-  dims_out = after.as_list() if after.rank is not None else None
-  if (dims_in is None or dims_out is None or None in dims_in or None in dims_out
-      or label.size is None):
-    return label if label.axis == 0 else MOVED
-  stride = label.inner * math.prod(dims_in[label.axis + 1:])
-  for axis in range(len(dims_out)):
-    trailing = math.prod(dims_out[axis + 1:])
-    if stride % trailing == 0 and dims_out[axis] % (stride // trailing * label.size) == 0:
-      return Examples(axis, stride // trailing, label.size)
-  return MOVED
-
-
-def _expand_dims(op, i, k):
-  axis = _normalized(_static(op.inputs[1]), _rank(op.outputs[0])) if i == 0 else None
-  if axis is None:
-    return MOVED
-  return k + 1 if axis[0] <= k else k
-
-
-def _squeeze(op, i, k):
-  shape = op.inputs[0].shape
-  if i != 0 or shape.rank is None:
-    return MOVED
-  dims = _normalized(list(op.get_attr("squeeze_dims")), shape.rank)
-  if not dims:
-    if None in shape[:k + 1].as_list():
-      return MOVED
-    dims = [d for d in range(shape.rank) if shape[d] == 1]
-  return MOVED if k in dims else k - sum(1 for d in dims if d < k)
-
-
-def _pack(op, i, k):
-  del i
-  axis = _normalized([op.get_attr("axis")], _rank(op.outputs[0]))
-  if axis is None:
-    return MOVED
-  return k + 1 if axis[0] <= k else k
-
-
-def _unpack(op, i, k):
-  del i
-  axis = _normalized([op.get_attr("axis")], _rank(op.inputs[0]))
-  if axis is None or axis[0] == k:
-    return MOVED
-  return k - 1 if axis[0] < k else k
-
-
-def _along_axis(value_input, axis_input):
-  """Concat or split: MOVED along the examples' own axis, else the axis is kept."""
-  def rule(op, i, k):
-    axis_input_index = axis_input if axis_input >= 0 else len(op.inputs) + axis_input
-    if i == axis_input_index or (value_input is not None and i != value_input):
-      return MOVED
-    axis = _normalized(_static(op.inputs[axis_input_index]), _rank(op.outputs[0]))
-    return MOVED if axis is None or axis[0] == k else k
-  return rule
-
-
 def _tile(op, i, k):
-  multiples = _static(op.inputs[1]) if i == 0 else None
+  multiples = moves.static(op.inputs[1]) if i == 0 else None
   if multiples is None or k >= len(multiples) or multiples[k] != 1:
     return MOVED
   return k
 
 
 def _reduction(op, i, k):
-  rank = _rank(op.inputs[0])
-  axes = _normalized(_static(op.inputs[1]), rank) if i == 0 else None
+  rank = op.inputs[0].shape.rank
+  axes = moves.normalized(moves.static(op.inputs[1]), rank) if i == 0 else None
   if axes is None:
     return MOVED
   if k in axes:
-    return None  # An aggregate over the examples: shared by all of them.
+    return MOVED  # An aggregate over the examples: mixes them.
   return k if op.get_attr("keep_dims") else k - sum(1 for a in axes if a < k)
 
 
 def _arg_reduction(op, i, k):
-  axis = _normalized(_static(op.inputs[1]), _rank(op.inputs[0])) if i == 0 else None
+  axis = moves.normalized(moves.static(op.inputs[1]), op.inputs[0].shape.rank) if i == 0 else None
   if axis is None:
     return MOVED
-  return None if axis[0] == k else (k - 1 if axis[0] < k else k)
-
-
-def _matmul(op, i, k):
-  if i == 0:
-    kept = 1 if op.get_attr("transpose_a") else 0
-    return 0 if k == kept else None  # Contracted over the examples: an aggregate.
-  kept = 0 if op.get_attr("transpose_b") else 1
-  return 1 if k == kept else None
-
-
-def _batch_matmul(op, i, k):
-  rank, out_rank = _rank(op.inputs[i]), _rank(op.outputs[0])
-  if rank is None or out_rank is None:
-    return MOVED
-  if k < rank - 2:
-    return k + out_rank - rank  # Batch dimensions broadcast from the right.
-  if i == 0:
-    rows = rank - 1 if op.get_attr("adj_x") else rank - 2
-    return out_rank - 2 if k == rows else None
-  columns = rank - 2 if op.get_attr("adj_y") else rank - 1
-  return out_rank - 1 if k == columns else None
-
-
-def _labels(spec, rank, ellipsis_rank):
-  """Einsum subscripts of one operand as one label per axis (ellipsis axes as ('...', j),
-  aligned from the right against the output's `ellipsis_rank` ellipsis axes)."""
-  if "..." not in spec:
-    return list(spec)
-  left, right = spec.split("...")
-  own = rank - len(left) - len(right)
-  return (list(left) + [("...", j + ellipsis_rank - own) for j in range(own)] + list(right))
-
-
-def _einsum(op, i, k):
-  equation = op.get_attr("equation")
-  equation = equation.decode() if isinstance(equation, bytes) else equation
-  equation = equation.replace(" ", "")
-  if "->" not in equation:
-    return MOVED
-  inputs, output = equation.split("->")
-  specs = inputs.split(",")
-  ranks = [_rank(t) for t in op.inputs]
-  if None in ranks or len(specs) != len(ranks):
-    return MOVED
-  ellipsis_rank = max([r - len(s.replace("...", "")) for s, r in zip(specs, ranks) if "..." in s]
-                      or [0])
-  label = _labels(specs[i], ranks[i], ellipsis_rank)[k]
-  out_labels = _labels(output, len(output.replace("...", "")) + ellipsis_rank, ellipsis_rank)
-  return out_labels.index(label) if label in out_labels else None
-
-
-def _space_to_batch(op, i, label):
-  """SpaceToBatchND (TF's dilated convolutions) moves blocks of positions into axis 0, block by
-  block: index j of the result belongs to example j % B. BatchToSpaceND puts them back."""
-  if i != 0 or not label.in_order:
-    return MOVED
-  return Examples(0, 1, label.size)
+  return MOVED if axis[0] == k else (k - 1 if axis[0] < k else k)
 
 
 def _list_item(op, i, k):
@@ -377,20 +223,28 @@ def _list_set(op, i, k):
 
 
 _RULES = {
-    "Transpose": _transpose, "ConjugateTranspose": _transpose,
+    "Transpose": moves.transpose, "ConjugateTranspose": moves.transpose,
     "ReverseV2": _axes_rule(1), "Roll": _axes_rule(2), "ReverseSequence": _reverse_sequence,
     "GatherV2": _gather, "GatherNd": _gather_nd,
-    "StridedSlice": _strided_slice, "Slice": _slice,
-    "ExpandDims": _expand_dims, "Squeeze": _squeeze, "Pack": _pack, "Unpack": _unpack,
-    "ConcatV2": _along_axis(None, -1), "Split": _along_axis(1, 0), "SplitV": _along_axis(0, 2),
+    "StridedSlice": moves.strided_slice, "Slice": moves.slice_,
+    "ExpandDims": moves.expand_dims, "Squeeze": moves.squeeze, "Pack": moves.pack, "Unpack": moves.unpack,
+    "ConcatV2": moves.along_axis(None, -1), "Split": moves.along_axis(1, 0), "SplitV": moves.along_axis(0, 2),
     "Tile": _tile, "ArgMax": _arg_reduction, "ArgMin": _arg_reduction,
-    "MatMul": _matmul, "BatchMatMul": _batch_matmul, "BatchMatMulV2": _batch_matmul,
-    "BatchMatMulV3": _batch_matmul, "Einsum": _einsum,
+    "MatMul": moves.matmul, "BatchMatMul": moves.batch_matmul, "BatchMatMulV2": moves.batch_matmul,
+    "BatchMatMulV3": moves.batch_matmul, "Einsum": moves.einsum,
+    "TopKV2": _along_last_axis(), "NthElement": _along_last_axis(),
+    "Softmax": _along_last_axis(), "LogSoftmax": _along_last_axis(),
+    "MatrixBandPart": _along_last_axis(2), "BiasAdd": _data_input(0),
+    "Cumsum": _axes_rule(1), "Cumprod": _axes_rule(1), "CumulativeLogsumexp": _axes_rule(1),
+    "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "OneHot": _one_hot,
+    **{name: _data_input(0, batch_axis_only=True) for name in _BATCH_AXIS_OPS},
+    "Conv2DBackpropInput": _data_input(2, batch_axis_only=True),
+    "Conv3DBackpropInputV2": _data_input(2, batch_axis_only=True),
     "TensorListGetItem": _list_item, "TensorListSetItem": _list_set,
     "TensorListPushBack": _list_set,
     **{name: _reduction for name in _REDUCTIONS},
 }
 # Rules that read the whole label (the examples' stride), not only their axis.
-_WHOLE_LABEL_RULES = {"Reshape": _reshape, "SpaceToBatchND": _space_to_batch,
-                      "BatchToSpaceND": _space_to_batch, "SpaceToBatch": _space_to_batch,
-                      "BatchToSpace": _space_to_batch}
+_WHOLE_LABEL_RULES = {"Reshape": moves.reshape, "SpaceToBatchND": moves.space_to_batch,
+                      "BatchToSpaceND": moves.space_to_batch, "SpaceToBatch": moves.space_to_batch,
+                      "BatchToSpace": moves.space_to_batch}

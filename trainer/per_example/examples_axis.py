@@ -16,8 +16,9 @@ example ('' when it can, as far as can be told):
   walk of the graph back from x to the batch's tensors that applies `axis_rules` op by op
   (through nested function graphs, branches and loops). A problem when x does not depend on
   the values of the batch, when its examples are on another axis (time-major [T, B, F], also
-  with T == B), and when its rows are the examples in another order or mixed (x[::-1], a
-  gather or shuffle of the rows);
+  with T == B), and when its rows are the examples in another order (x[::-1], a gather, sort
+  or shuffle of the rows) or mixed across them (x - mean(x, 0), a cumsum over the examples;
+  also any op `axis_rules` has no rule for);
 * a tf.SparseTensor or tf.RaggedTensor input (no formula reads one).
 What it cannot see: a batch-independent or moved input run eagerly (eager tensors keep no
 history). For the eager case `scout` traces the forward once, in a scratch graph that never
