@@ -83,6 +83,9 @@ LABELS = [
     ("fft_over_examples", lambda x: tf.transpose(tf.signal.fft(tf.cast(
         tf.transpose(x, [1, 2, 0]), tf.complex64)), [2, 0, 1]), MOVED),
     ("py_function", lambda x: tf.py_function(lambda v: v[::-1], [x], tf.float32), MOVED),
+    ("identity_n", lambda x: tf.identity_n([x[::-1], x])[1], Examples(0, 1, B)),
+    ("custom_gradient", lambda x: tf.custom_gradient(lambda v: (v * 2.0, lambda d: d * 2.0))(x),
+     Examples(0, 1, B)),
     ("padded_steps", lambda x: tf.pad(x, [[0, 0], [1, 1], [0, 0]]), Examples(0, 1, B)),
     ("padded_examples", lambda x: tf.pad(x, [[1, 0], [0, 0], [0, 0]]), MOVED),
     ("resized", lambda x: tf.image.resize(x[..., None], [3, 3]), Examples(0, 1, B)),

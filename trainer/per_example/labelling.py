@@ -78,6 +78,8 @@ class Labeller:
   def _op_labels(self, op, t, found):
     if _captured(t) is not None or op.type in SHAPE_ONLY:
       return [found[0] if found else (None, "")]
+    if op.type == "IdentityN":  # (tf.custom_gradient's outputs.) Output j is input j.
+      return list(found) or [(None, "")]
     if op.type in _CALLS | _BRANCHES | _LOOPS:
       nested = _nested_labels(op, found)
       if nested is not None:
