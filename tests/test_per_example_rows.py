@@ -82,6 +82,10 @@ LABELS = [
     ("inverse_over_examples", lambda x: tf.linalg.inv(x[:, :, 0]), MOVED),  # No rule: MOVED.
     ("fft_over_examples", lambda x: tf.transpose(tf.signal.fft(tf.cast(
         tf.transpose(x, [1, 2, 0]), tf.complex64)), [2, 0, 1]), MOVED),
+    ("fft_over_features", lambda x: tf.signal.fft(tf.cast(x, tf.complex64)), Examples(0, 1, B)),
+    ("image_transform", lambda x: tf.raw_ops.ImageProjectiveTransformV3(
+        images=x[..., None], transforms=tf.constant([[1.0, 0, 1, 0, 1, 0, 0, 0]]),
+        output_shape=[T, F], fill_value=0.0, interpolation="NEAREST"), Examples(0, 1, B)),
     ("py_function", lambda x: tf.py_function(lambda v: v[::-1], [x], tf.float32), MOVED),
     ("identity_n", lambda x: tf.identity_n([x[::-1], x])[1], Examples(0, 1, B)),
     ("custom_gradient", lambda x: tf.custom_gradient(lambda v: (v * 2.0, lambda d: d * 2.0))(x),

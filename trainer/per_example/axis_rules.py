@@ -50,12 +50,14 @@ _ELEMENTWISE = frozenset({
     "Real", "Imag", "Conj", "ComplexAbs", "Angle", "ClipByValue", "AddN", "Select",
     "TensorListFromTensor", "TensorListStack", "FakeQuantWithMinMaxArgs", "BesselI0e",
     "BesselI1e", "Sinc",
+    "Bucketize", "StringToHashBucketFast", "StringToHashBucketStrong", "StringToNumber",
     "RaggedTensorToTensor", "SparseToDense"})  # (Rows from a ragged or sparse batch's parts.)
 # Ops that read NHWC-style data: axis 0 row by row, the other axes mixed.
 _BATCH_AXIS_OPS = ("Conv1D", "Conv2D", "Conv3D", "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2",
                    "AvgPool", "MaxPool3D", "AvgPool3D", "ResizeBilinear", "ResizeNearestNeighbor",
                    "ResizeBicubic", "ResizeArea", "ScaleAndTranslate", "LRN",
-                   "ExtractImagePatches", "DepthToSpace", "SpaceToDepth")
+                   "ExtractImagePatches", "DepthToSpace", "SpaceToDepth",
+                   "ImageProjectiveTransformV2", "ImageProjectiveTransformV3")
 _ROWS_OF_AXIS_ZERO_MIXED = frozenset({  # Rows of the examples' axis moved or mixed.
     "RandomShuffle", "ScatterNd", "TensorScatterUpdate", "TensorScatterAdd", "TensorScatterSub",
     "TensorScatterMax", "TensorScatterMin", "TensorListPopBack", "TensorListGather",
@@ -235,6 +237,9 @@ _RULES = {
     "TopKV2": _along_last_axis(), "NthElement": _along_last_axis(),
     "Softmax": _along_last_axis(), "LogSoftmax": _along_last_axis(),
     "MatrixBandPart": _along_last_axis(2), "BiasAdd": _data_input(0),
+    "LookupTableFindV2": _data_input(1),  # (StringLookup, IntegerLookup: keys.)
+    **{f"{kind}FFT{name}": _along_last_axis(axes) for kind in ("", "I", "R", "IR")
+       for name, axes in (("", 1), ("2D", 2), ("3D", 3))},
     "Cumsum": _axes_rule(1), "Cumprod": _axes_rule(1), "CumulativeLogsumexp": _axes_rule(1),
     "Pad": _pad, "PadV2": _pad, "MirrorPad": _pad, "OneHot": _one_hot,
     **{name: _data_input(0, batch_axis_only=True) for name in _BATCH_AXIS_OPS},
