@@ -73,13 +73,14 @@ def output_label(op, labels):
     return None
   if any(a == MOVED for _, a in live) or op.type in _ROWS_OF_AXIS_ZERO_MIXED:
     return MOVED
+  whole = _WHOLE_LABEL_RULES.get(op.type)
   rule = _RULES.get(op.type) or (_broadcast if op.type in _BROADCASTING else
                                   _same if op.type in _ELEMENTWISE else _no_rule)
   found = set()
   for i, label in live:
     try:
-      if op.type in _WHOLE_LABEL_RULES:
-        found.add(_WHOLE_LABEL_RULES[op.type](op, i, label))
+      if whole is not None:
+        found.add(whole(op, i, label))
         continue
       axis = rule(op, i, label.axis)
     except (ValueError, TypeError, IndexError, AttributeError) as e:  # An op unlike its rule's.
@@ -203,7 +204,9 @@ def _reduction(op, i, k):
 
 
 def _arg_reduction(op, i, k):
-  axis = moves.normalized(moves.static(op.inputs[1]), op.inputs[0].shape.rank) if i == 0 else None
+  if i != 0:
+    return MOVED
+  axis = moves.normalized(moves.static(op.inputs[1]), op.inputs[0].shape.rank)
   if axis is None:
     return MOVED
   return MOVED if axis[0] == k else (k - 1 if axis[0] < k else k)
@@ -229,11 +232,12 @@ _RULES = {
     "ReverseV2": _axes_rule(1), "Roll": _axes_rule(2), "ReverseSequence": _reverse_sequence,
     "GatherV2": _gather, "GatherNd": _gather_nd,
     "StridedSlice": moves.strided_slice, "Slice": moves.slice_,
-    "ExpandDims": moves.expand_dims, "Squeeze": moves.squeeze, "Pack": moves.pack, "Unpack": moves.unpack,
-    "ConcatV2": moves.along_axis(None, -1), "Split": moves.along_axis(1, 0), "SplitV": moves.along_axis(0, 2),
+    "ExpandDims": moves.expand_dims, "Squeeze": moves.squeeze, "Pack": moves.pack,
+    "Unpack": moves.unpack, "ConcatV2": moves.along_axis(None, -1),
+    "Split": moves.along_axis(1, 0), "SplitV": moves.along_axis(0, 2),
     "Tile": _tile, "ArgMax": _arg_reduction, "ArgMin": _arg_reduction,
-    "MatMul": moves.matmul, "BatchMatMul": moves.batch_matmul, "BatchMatMulV2": moves.batch_matmul,
-    "BatchMatMulV3": moves.batch_matmul, "Einsum": moves.einsum,
+    "MatMul": moves.matmul, "Einsum": moves.einsum,
+    **{name: moves.batch_matmul for name in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")},
     "TopKV2": _along_last_axis(), "NthElement": _along_last_axis(),
     "Softmax": _along_last_axis(), "LogSoftmax": _along_last_axis(),
     "MatrixBandPart": _along_last_axis(2), "BiasAdd": _data_input(0),
@@ -250,6 +254,6 @@ _RULES = {
     **{name: _reduction for name in _REDUCTIONS},
 }
 # Rules that read the whole label (the examples' stride), not only their axis.
-_WHOLE_LABEL_RULES = {"Reshape": moves.reshape, "SpaceToBatchND": moves.space_to_batch,
-                      "BatchToSpaceND": moves.space_to_batch, "SpaceToBatch": moves.space_to_batch,
-                      "BatchToSpace": moves.space_to_batch}
+_WHOLE_LABEL_RULES = {"Reshape": moves.reshape, **{
+    name: moves.space_to_batch
+    for name in ("SpaceToBatchND", "BatchToSpaceND", "SpaceToBatch", "BatchToSpace")}}

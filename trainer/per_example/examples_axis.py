@@ -58,26 +58,25 @@ class BatchAxis:
 
   def __init__(self, batch):
     self.size = None if batch is None else static_size(batch)
-    self._rows = next((t for t in _leaves(batch, expand=False) if tf.is_tensor(t)
-                       and not isinstance(t, tf.SparseTensor) and t.shape.rank), None) if (
-                           batch is not None) else None
-    leaves = [] if batch is None else _leaves(batch, expand=True)
-    self._targets = {t.ref() for t in leaves}
-    dense = [] if batch is None else [t for t in _leaves(batch, expand=False)
-                                      if isinstance(t, tf.Tensor)]
+    tensors = [] if batch is None else _leaves(batch, expand=False)
+    self._rows = next((t for t in tensors if tf.is_tensor(t)
+                       and not isinstance(t, tf.SparseTensor) and t.shape.rank), None)
+    components = [] if batch is None else _leaves(batch, expand=True)
     # The components of a ragged or sparse batch tensor (values, row splits, indices) have no
     # axis of B examples; they count as in order, without a size, so that `to_tensor()` of them
     # is (reading such a component directly meets the rows check).
-    seeds = {t.ref(): axis_rules.Examples(0, 1, None) if t.shape.rank else None for t in leaves}
+    seeds = {t.ref(): axis_rules.Examples(0, 1, None) if t.shape.rank else None
+             for t in components}
     seeds.update({t.ref(): axis_rules.Examples(0, 1, t.shape[0]) if t.shape.rank else None
-                  for t in dense})
+                  for t in tensors if isinstance(t, tf.Tensor)})
+    self._has_batch = bool(seeds)
     self._labeller = labelling.Labeller(seeds)
 
   def problem(self, x) -> str:
     """'' when axis 0 of `x` can be taken as the example axis; else why not (one phrase)."""
     if isinstance(x, (tf.SparseTensor, tf.RaggedTensor)):  # No formula reads them.
       return f"its input is a tf.{type(x).__name__}"
-    if not tf.is_tensor(x) or not self._targets:
+    if not tf.is_tensor(x) or not self._has_batch:
       return ""
     if x.shape.rank == 0:
       return "its input is a scalar"

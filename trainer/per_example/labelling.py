@@ -56,7 +56,7 @@ class Labeller:
         stack.pop()
         continue
       op = t.op
-      sources = _sources(t)
+      sources, copies = _sources(t)
       pending = [s for s in sources if self._known(s) is None and s.op not in visiting]
       if pending and op not in visiting:
         visiting.add(op)
@@ -64,7 +64,8 @@ class Labeller:
         continue
       stack.pop()
       found = [self._known(s) or (None, "") for s in sources]  # (A cycle reads as independent.)
-      self._labels[op] = self._op_labels(op, t, found)
+      self._labels[op] = ([found[0] if found else (None, "")] if copies
+                          else self._op_labels(op, found))
     return self._known(tensor)
 
   def _known(self, t):
@@ -75,9 +76,7 @@ class Labeller:
     found = self._labels.get(t.op)
     return None if found is None else found[min(t.value_index, len(found) - 1)]
 
-  def _op_labels(self, op, t, found):
-    if _captured(t) is not None or op.type in SHAPE_ONLY:
-      return [found[0] if found else (None, "")]
+  def _op_labels(self, op, found):
     if op.type == "IdentityN":  # (tf.custom_gradient's outputs.) Output j is input j.
       return list(found) or [(None, "")]
     if op.type in _CALLS | _BRANCHES | _LOOPS:
@@ -97,11 +96,15 @@ def _with_via(op, label, found):
 
 
 def _sources(t):
-  """The tensors whose labels decide the labels of `t`'s op."""
+  """(The tensors whose labels decide the labels of `t`'s op, whether the op just takes its one
+  source's label: a placeholder of a nested function copies the tensor it captures, an op
+  that reads only a shape has no source and is independent of the batch's values.)"""
   external = _captured(t)
-  if external is not None:  # A placeholder of a nested function: what it captures.
-    return [external]
-  return [] if t.op.type in SHAPE_ONLY else list(t.op.inputs)
+  if external is not None:
+    return [external], True
+  if t.op.type in SHAPE_ONLY:
+    return [], True
+  return list(t.op.inputs), False
 
 
 def _captured(t):
