@@ -186,3 +186,30 @@ def assert_resume_is_bitwise(tmp_path, recipe, *overrides, stop_at=2, train_step
   assert "restored" in second.stderr and f"at update {stop_at}" in second.stderr
   assert_same_weights(tmp_path / "full", tmp_path / "resumed")
   return full, second
+
+
+# ------------------------------------------------------------------- damaged workdirs -------
+def damage_checkpoint(workdir, how):
+  """Damages the workdir's ckpt-6 (or its state file) as `how` says; returns its prefix."""
+  ckpts = workdir / "checkpoints"
+  newest = ckpts / "ckpt-6"
+  if how == "state_deleted":
+    (ckpts / "checkpoint").unlink()
+  elif how == "state_garbage":
+    (ckpts / "checkpoint").write_text("\x00\x01 not a checkpoint state {{{")
+  elif how == "state_names_missing":
+    (ckpts / "checkpoint").write_text('model_checkpoint_path: "ckpt-99"\n')
+  elif how == "state_older":  # A kill between ckpt-6's files and the state file leaves this.
+    (ckpts / "checkpoint").write_text('model_checkpoint_path: "ckpt-4"\n'
+                                      'all_model_checkpoint_paths: "ckpt-4"\n')
+  elif how == "data_truncated":
+    data = next(ckpts.glob("ckpt-6.data-*"))
+    data.write_bytes(data.read_bytes()[:50])
+  elif how == "data_zeroed":
+    data = next(ckpts.glob("ckpt-6.data-*"))
+    data.write_bytes(b"\x00" * len(data.read_bytes()))
+  elif how == "index_missing":
+    (ckpts / "ckpt-6.index").unlink()
+  elif how == "index_garbage":
+    (ckpts / "ckpt-6.index").write_bytes(b"garbage" * 10)
+  return newest

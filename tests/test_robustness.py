@@ -158,28 +158,6 @@ def test_eval_or_export_on_an_empty_workdir_is_one_line(tmp_path, mode):
 
 
 # ----------------------------------------------------------------- damaged checkpoints --------
-def _damage(workdir, how):
-  ckpts = workdir / "checkpoints"
-  newest = ckpts / "ckpt-6"
-  if how == "state_deleted":
-    (ckpts / "checkpoint").unlink()
-  elif how == "state_garbage":
-    (ckpts / "checkpoint").write_text("\x00\x01 not a checkpoint state {{{")
-  elif how == "state_names_missing":
-    (ckpts / "checkpoint").write_text('model_checkpoint_path: "ckpt-99"\n')
-  elif how == "data_truncated":
-    data = next(ckpts.glob("ckpt-6.data-*"))
-    data.write_bytes(data.read_bytes()[:50])
-  elif how == "data_zeroed":
-    data = next(ckpts.glob("ckpt-6.data-*"))
-    data.write_bytes(b"\x00" * len(data.read_bytes()))
-  elif how == "index_missing":
-    (ckpts / "ckpt-6.index").unlink()
-  elif how == "index_garbage":
-    (ckpts / "ckpt-6.index").write_bytes(b"garbage" * 10)
-  return newest
-
-
 @pytest.mark.parametrize("how,resumed_from", [
     ("state_deleted", 6), ("state_garbage", 6), ("state_names_missing", 6),
     ("data_truncated", 4), ("data_zeroed", 4), ("index_missing", 4), ("index_garbage", 4)])
@@ -188,7 +166,7 @@ def test_a_damaged_workdir_resumes_from_the_newest_intact_checkpoint(tmp_path, h
   config = lambda steps: helpers.tiny_config(**{"train_steps": steps, "steps_per_loop": 2,
                                                 "checkpoint_every": 2, "mode": "train"})
   run.run(config(6), str(tmp_path))
-  _damage(tmp_path, how)
+  helpers.damage_checkpoint(tmp_path, how)
   strategy, trainer = helpers.build(config(8), tmp_path)
   del strategy
   assert int(trainer.global_step.numpy()) == resumed_from
@@ -205,7 +183,7 @@ def test_rerun_after_damage_finishes_bitwise_equal_to_an_uninterrupted_run(tmp_p
   assert solo.returncode == 0, solo.stderr[-2000:]
   first = helpers.run_cli(tmp_path / "damaged", RECIPE, "train_steps=6", *DETERMINISTIC)
   assert first.returncode == 0, first.stderr[-2000:]
-  _damage(tmp_path / "damaged", how)
+  helpers.damage_checkpoint(tmp_path / "damaged", how)
   rerun = helpers.run_cli(tmp_path / "damaged", RECIPE, "train_steps=10", *DETERMINISTIC)
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   expected = "at update 6" if how == "state_deleted" else "at update 4"

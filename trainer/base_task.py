@@ -59,8 +59,10 @@ declares `represent(model, batch, training)` (per-example representations) and
 docs/accumulation.md).
 """
 import dataclasses
+import inspect
 from typing import Any, Callable, Optional, Sequence
 
+import keras
 import tensorflow as tf
 
 from trainer import errors
@@ -111,7 +113,8 @@ class Task:
     self.config = config
 
   def build_model(self):
-    """Returns a new Keras model; called eagerly inside `strategy.scope()`."""
+    """Returns a new Keras model with its variables; called eagerly inside `strategy.scope()`,
+    with Keras' global dtype policy set to `config.mixed_precision`."""
     raise NotImplementedError(f"{type(self).__name__}.build_model")
 
   def train_data(self):
@@ -180,6 +183,8 @@ def batch_loss_of(task, representations, valid) -> BatchLossOutput:
     raise errors.TaskError(f"{name}.batch_loss: metrics {sorted(out.metrics)} differ from "
                            f"{name}.metric_names {sorted(task.metric_names)}")
   return out
+
+
 def weighted_outputs(task, model, batch: dict, training: bool):
   """Runs `task.per_example_loss` on a batch from `trainer.data`; traced, replica context.
 
@@ -205,7 +210,15 @@ def weighted_outputs(task, model, batch: dict, training: bool):
   if loss.shape.rank != 1:
     raise errors.TaskError(f"{name}.per_example_loss: loss has shape {loss.shape}; expected one "
                            "value per example [B] (never a mean)")
-  weight = valid if out.weight is None else tf.cast(out.weight, tf.float32) * valid
+  _check_per_example(f"{name}.per_example_loss: loss", loss, valid)
+  weight = valid
+  if out.weight is not None:
+    weight = tf.cast(out.weight, tf.float32)
+    if weight.shape.rank != 1:  # A [B, 1] column would broadcast with the loss to [B, B].
+      raise errors.TaskError(f"{name}.per_example_loss: weight has shape {weight.shape}; "
+                             "expected one weight per example [B] (flatten a [B, 1] column)")
+    _check_per_example(f"{name}.per_example_loss: weight", weight, valid)
+    weight = weight * valid
   if set(out.metrics) != set(task.metric_names):
     raise errors.TaskError(f"{name}.per_example_loss: metrics {sorted(out.metrics)} differ from "
                            f"{name}.metric_names {sorted(task.metric_names)}")
@@ -214,4 +227,37 @@ def weighted_outputs(task, model, batch: dict, training: bool):
     if value.shape.rank != 1:
       raise errors.TaskError(f"{name}.per_example_loss: metric {m!r} has shape {value.shape}; "
                              "expected [B]")
+    _check_per_example(f"{name}.per_example_loss: metric {m!r}", value, valid)
   return loss, weight, metrics
+
+
+def _check_per_example(what: str, value, valid) -> None:
+  """Raises TaskError when a [B] output's static length differs from the batch's (traced)."""
+  length, batch = value.shape[0], valid.shape[0]
+  if length is not None and batch is not None and length != batch:
+    raise errors.TaskError(f"{what} has {length} values for a batch of {batch} examples; "
+                           "expected one per example [B] (e.g. not one per token)")
+
+
+def check_contract(task, model) -> None:
+  """Eager, host, once per run: what can be checked of a task before any step runs.
+
+  Raises TaskError (one line) when `build_model()` did not return a Keras model, returned one
+  with no variables yet (a subclassed Model gets them at its first call), or when
+  `per_example_loss` cannot be called as (model, batch, training=...).
+  """
+  name = type(task).__name__
+  if not isinstance(model, keras.Model):
+    raise errors.TaskError(f"{name}.build_model returned {type(model).__name__}; expected a "
+                           "keras.Model")
+  if not model.variables:
+    raise errors.TaskError(
+        f"{name}.build_model returned a model with no variables yet (a subclassed keras.Model "
+        "creates them at its first call): call it once on an example batch inside build_model, "
+        "or build it with keras.Input")
+  method = task.represent if isinstance(task, BatchLossTask) else task.per_example_loss
+  try:
+    inspect.signature(method).bind(model, {}, training=False)
+  except TypeError as e:
+    raise errors.TaskError(f"{name}.{method.__name__} cannot be called as (model, batch, "
+                           f"training=...): {e}") from None

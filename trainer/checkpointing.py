@@ -25,6 +25,11 @@ import tensorflow as tf
 from trainer import errors
 
 
+# What a write to a full, read-only or forbidden directory raises (TF's file system or Python's).
+STORAGE_ERRORS = (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
+                  tf.errors.UnknownError, tf.errors.FailedPreconditionError, OSError)
+
+
 class _ManagerWithDataState(tf.train.CheckpointManager):
   """A CheckpointManager that saves a worker's iterator checkpoint after each main save."""
 
@@ -38,8 +43,7 @@ class _ManagerWithDataState(tf.train.CheckpointManager):
                           options=options)
       if path and self._data_manager is not None:
         self._data_manager.save(checkpoint_number=int(path.rsplit("-", 1)[1]), options=options)
-    except (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
-            tf.errors.UnknownError, OSError) as e:
+    except STORAGE_ERRORS as e:
       previous = self.latest_checkpoint or "none"
       raise CheckpointWriteError(
           f"cannot write a checkpoint to {self.directory} ({_reason(e)}); disk full? The latest "
@@ -156,33 +160,51 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   candidates = _numbered(directory)
   skipped = []
   for number, prefix in candidates:
-    try:
-      with strategy.scope():
-        checkpoint.restore(prefix).assert_existing_objects_matched()
-    except _DAMAGE as e:
-      skipped.append((prefix, _reason(e)))
+    damage = restore_one(checkpoint, prefix, strategy)
+    if damage:
+      skipped.append((prefix, damage))
       continue
-    except tf.errors.OpError as e:
-      if type(e) is not tf.errors.OpError:  # Bare OpError: the reader's checksum mismatch.
-        raise CheckpointReadError(
-            f"cannot read the checkpoint {prefix} ({_reason(e)}); storage unavailable? Nothing "
-            "was moved; rerun to resume") from None
-      skipped.append((prefix, _reason(e)))
-      continue
-    except (AssertionError, ValueError) as e:
-      raise errors.ConfigError(
-          f"the checkpoint {prefix} does not match this config (model, optimizer or "
-          f"mixed_precision changed?); use a fresh `--workdir` ({type(e).__name__})") from None
     if skipped:
       logging.warning("skipped damaged checkpoint(s) %s; resuming from %s",
                       "; ".join(f"{p} ({why})" for p, why in skipped), prefix)
     if repair:
-      _repair(directory, [p for p, _ in skipped], [p for n, p in candidates if n <= number])
+      try:
+        _repair(directory, [p for p, _ in skipped], [p for n, p in candidates if n <= number])
+      except STORAGE_ERRORS as e:
+        raise CheckpointWriteError(
+            f"cannot set the damaged checkpoint(s) aside in {directory} ({_reason(e)}); "
+            "read-only or full? Nothing was lost: make it writable and rerun") from None
     return prefix
   if skipped:
     raise errors.ConfigError(
         f"no checkpoint in {directory} reads back ({'; '.join(why for _, why in skipped[:2])}); "
         "nothing was overwritten: move them away or use a fresh `--workdir` to start over")
+  return None
+
+
+def restore_one(checkpoint, prefix: str, strategy):
+  """Restores the checkpoint `prefix`; returns None, or why it is damaged (then the restore
+  may have read part of it: restore another). Eager, host. Raises CheckpointReadError when the
+  storage failed, `errors.ConfigError` when it belongs to another config."""
+  status = None
+  try:
+    with strategy.scope():
+      status = checkpoint.restore(prefix)
+      status.assert_existing_objects_matched()
+  except _DAMAGE as e:
+    return _reason(e)
+  except tf.errors.OpError as e:
+    if type(e) is not tf.errors.OpError:  # Bare OpError: the reader's checksum mismatch.
+      raise CheckpointReadError(
+          f"cannot read the checkpoint {prefix} ({_reason(e)}); storage unavailable? Nothing "
+          "was moved; rerun to resume") from None
+    return _reason(e)
+  except (AssertionError, ValueError) as e:
+    if status is not None:  # Else TF warns about the unmatched values at exit, after our line.
+      status.expect_partial()
+    raise errors.ConfigError(
+        f"the checkpoint {prefix} does not match this config (model, optimizer or "
+        f"mixed_precision changed?); use a fresh `--workdir` ({type(e).__name__})") from None
   return None
 
 
@@ -225,7 +247,7 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
     tf.io.gfile.makedirs(aside)
     for prefix in damaged:
       for path in tf.io.gfile.glob(prefix + ".*"):
-        tf.io.gfile.rename(path, os.path.join(aside, os.path.basename(path)), overwrite=True)
+        tf.io.gfile.rename(path, _unused(os.path.join(aside, os.path.basename(path))))
   intact = list(reversed(intact_newest_first))  # Oldest first, as the state file lists them.
   try:
     state = tf.train.get_checkpoint_state(directory)
@@ -238,3 +260,12 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
                     ", ".join(os.path.basename(p) for p in intact))
     tf.compat.v1.train.update_checkpoint_state(directory, intact[-1],
                                                all_model_checkpoint_paths=intact)
+
+
+def _unused(path: str) -> str:
+  """`path`, or `path.1`, `path.2`, ... : the first name not taken (damaged copies are kept)."""
+  candidate, n = path, 0
+  while tf.io.gfile.exists(candidate):
+    n += 1
+    candidate = f"{path}.{n}"
+  return candidate

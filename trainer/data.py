@@ -143,6 +143,9 @@ def as_source(obj: Any, what: str):
     if not path.endswith(".npz"):
       raise errors.DataError(f"{what}={path!r}: a path source must be an .npz file")
     return arrays_source(_load_npz(path, what), f"{what} ({path})")
+  if isinstance(obj, tuple) and len(obj) in (2, 3) and any(hasattr(p, "shape") for p in obj):
+    raise errors.DataError(f"{what} is a tuple of arrays, (x, y) as for model.fit; return ONE "
+                           "dict of arrays holding the labels too, e.g. {'x': x, 'label': y}")
   if isinstance(obj, tf.data.Dataset):
     raise errors.DataError(f"{what} is a tf.data.Dataset; return a function that builds it "
                            "(e.g. `return lambda: dataset`) so each input pipeline makes its own")
@@ -260,8 +263,9 @@ def eval_steps(source, global_batch: int) -> int:
 
 
 # ---------------------------------------------------------------- tf.data factories -----------
-def _mark_valid(batch):
-  batch = dict(_checked(batch, "tf.data source"))
+def _mark_valid(*parts):
+  # Dataset.map passes a tuple element's parts as separate arguments: check the tuple whole.
+  batch = dict(_checked(parts[0] if len(parts) == 1 else parts, "tf.data source"))
   size = tf.shape(tf.nest.flatten(batch)[0])[0]
   batch[VALID_KEY] = tf.ones([size], tf.float32)
   return batch
@@ -301,7 +305,7 @@ def factory_eval_stream(input_context, factory: DatasetFactory,
   local = local_replicas(input_context)
   per_replica = input_context.get_per_replica_batch_size(global_batch)
   batches = factory.dataset(input_context).batch(per_replica).map(
-      lambda b: _pad_to(_mark_valid(b), per_replica))
+      lambda *parts: _pad_to(_mark_valid(*parts), per_replica))
   if local > 1:
     empty = batches.take(1).map(
         lambda b: {k: (tf.zeros_like(v) if k == VALID_KEY else v) for k, v in b.items()})

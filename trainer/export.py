@@ -14,6 +14,7 @@ import os
 from absl import logging
 import tensorflow as tf
 
+from trainer import checkpointing
 from trainer import errors
 
 
@@ -26,18 +27,27 @@ def export_model(task, model, workdir: str, step: int) -> str:
   """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path."""
   final = os.path.join(workdir, "export", str(step))
   partial = final + ".partial"
-  _remove(partial)
-  tf.io.gfile.makedirs(os.path.dirname(final))
   signature = task.serving_signature()
   try:
+    _remove(partial)
+    tf.io.gfile.makedirs(os.path.dirname(final))
     model.export(partial, format="tf_saved_model", verbose=False, input_signature=signature)
+    _remove(final)
+    tf.io.gfile.rename(partial, final)
   except (ValueError, TypeError) as e:
     _remove(partial)
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     raise errors.TaskError(
         f"cannot export the model of {type(task).__name__} ({first_line}); give the task a "
         "serving_signature() returning the input tf.TensorSpec list") from None
-  _remove(final)
-  tf.io.gfile.rename(partial, final)
+  except checkpointing.STORAGE_ERRORS as e:  # Disk full, read-only, permissions.
+    try:
+      _remove(partial)
+    except checkpointing.STORAGE_ERRORS:
+      pass
+    raise checkpointing.CheckpointWriteError(
+        f"cannot write the export {final} ({type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        "); disk full? The checkpoints are intact: free space and rerun with `mode=export`"
+        ) from None
   logging.info("exported the model of update %d to %s", step, final)
   return final

@@ -16,6 +16,7 @@ from trainer import shutdown
 shutdown.install()  # First: a SIGTERM during the imports below is already a clean stop.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
+import gc
 import os
 import sys
 
@@ -49,16 +50,22 @@ def main(argv):
     flag_errors.fail(f"unexpected arguments {argv[1:]}; use --config.FIELD=VALUE overrides")
   logging.set_verbosity(logging.INFO)
   from trainer import checkpointing, errors, preemption, run
+  failure = None
   try:
     run.run(_CONFIG.value, _WORKDIR.value)
   except errors.MicrostepError as e:
-    flag_errors.fail(str(e))
+    failure = (str(e), exit_codes.BAD_INPUT_EXIT_CODE)
   except FloatingPointError as e:
-    flag_errors.fail(str(e), exit_codes.DIVERGED_EXIT_CODE)
+    failure = (str(e), exit_codes.DIVERGED_EXIT_CODE)
   except preemption.PeerLostError as e:
-    flag_errors.fail(str(e), exit_codes.PEER_LOST_EXIT_CODE)
+    failure = (str(e), exit_codes.PEER_LOST_EXIT_CODE)
   except (checkpointing.CheckpointWriteError, checkpointing.CheckpointReadError) as e:
-    flag_errors.fail(str(e), exit_codes.CHECKPOINT_IO_EXIT_CODE)
+    failure = (str(e), exit_codes.CHECKPOINT_IO_EXIT_CODE)
+  if failure:
+    # The failed run's objects go first, so that what their destructors log (e.g. TensorFlow
+    # on a checkpoint it could not restore) comes before the error line, which stays last.
+    gc.collect()
+    flag_errors.fail(*failure)
 
 
 def run_cli() -> None:

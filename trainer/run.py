@@ -6,6 +6,7 @@ Controller -> mode. The runner knows no dataset: everything about the data comes
 (`trainer.base_task`) through `trainer.data`.
 """
 import contextlib
+import functools
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import keras
 import orbit
 import tensorflow as tf
 
+from trainer import base_task
 from trainer import checkpointing
 from trainer import data
 from trainer import errors
@@ -24,6 +26,7 @@ from trainer import optimizers
 from trainer import orbit_evaluator
 from trainer import orbit_trainer
 from trainer import preemption
+from trainer import reading_controller
 from trainer import shutdown
 from trainer import strategies
 from trainer import tasks
@@ -76,6 +79,18 @@ def _strict_json(value):
 TRAINING_MODES = ("train", "train_and_eval")
 
 
+@contextlib.contextmanager
+def _dtype_policy(name: str):
+  """Keras' global dtype policy is `name` (`config.mixed_precision`) while the task builds its
+  model, so that layers created without a `dtype` follow the config; restored afterwards."""
+  previous = keras.config.dtype_policy()
+  keras.config.set_dtype_policy(name)
+  try:
+    yield
+  finally:
+    keras.config.set_dtype_policy(previous)
+
+
 def build(config, workdir, task=None):
   """Builds strategy, task, trainer, evaluator and checkpoint manager; restores (eager).
 
@@ -101,9 +116,10 @@ def build(config, workdir, task=None):
         f"{num_train} of the training data; allowed: at most {num_train} per replica")
   chief, worker_id = strategies.worker_role(strategy)
   training = config.mode in TRAINING_MODES
-  with strategy.scope():
+  with strategy.scope(), _dtype_policy(config.mixed_precision):
     model = task.build_model()
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
+  base_task.check_contract(task, model)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
   checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
@@ -125,8 +141,8 @@ def build(config, workdir, task=None):
   if latest:
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
   if chief and training:  # Only once the workdir is known to fit this config.
-    with tf.io.gfile.GFile(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+    workdir_lib.write_atomically(os.path.join(workdir, "config.json"),
+                                 config.to_json_best_effort(indent=2))
 
   start = int(trainer.micro_batches_seen.numpy())
   iterator = None
@@ -190,7 +206,10 @@ def _run(config, workdir: str, task) -> dict:
         f"{checkpointing.checkpoint_dir(workdir)}); train first, or check the path")
   summaries = os.path.join(workdir, "summaries")
   watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step)
-  controller = orbit.Controller(
+  training = config.mode in TRAINING_MODES
+  controller_class = orbit.Controller if training else functools.partial(
+      reading_controller.ReadingController, restored=trainer.restored_checkpoint)
+  controller = controller_class(
       strategy=strategy, trainer=trainer, evaluator=evaluator, global_step=trainer.global_step,
       steps_per_loop=config.steps_per_loop, checkpoint_manager=manager,
       summary_interval=config.summary_every or None,
@@ -198,7 +217,6 @@ def _run(config, workdir: str, task) -> dict:
       eval_summary_dir=os.path.join(summaries, "eval"), train_actions=[watcher],
       eval_actions=[watcher])  # A signal noted during an evaluation stops right after it.
   result = {}
-  training = config.mode in TRAINING_MODES
   with watcher.installed() if training else contextlib.nullcontext():
     try:
       if config.mode == "train" or (config.mode == "train_and_eval" and evaluator is None):
@@ -208,9 +226,18 @@ def _run(config, workdir: str, task) -> dict:
       elif config.mode == "train_and_eval":
         result["eval"] = controller.train_and_evaluate(
             train_steps=config.train_steps, eval_steps=eval_steps, eval_interval=config.eval_every)
+        if result["eval"] is None:  # Training was already done: Orbit evaluated nothing.
+          result["eval"] = controller.evaluate(steps=eval_steps)
       elif config.mode == "continuous_eval":
         result["eval"] = controller.evaluate_continuously(steps=eval_steps,
                                                           timeout=config.eval_timeout_s)
+    except tf.errors.OutOfRangeError:
+      if not training:
+        raise
+      raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
+          "the training data yields no batch (an empty tf.data source, e.g. a filter that drops "
+          f"every example, or fewer examples than `batch_size`={config.batch_size} per "
+          "replica)") from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError) as e:
       raise preemption.PeerLostError(

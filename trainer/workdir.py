@@ -8,7 +8,9 @@
   and share the workdir as before. gs:// workdirs are not locked (no flock there).
 * `check_resume`: the resolved config of the run lives in `config.json`. A restart that changes
   a field which gives the saved state its meaning (batch size, seed, task, model, optimizer,
-  accumulation, data) is refused, naming the fields and the override that accepts them.
+  accumulation, data) is refused, naming the fields and the override that accepts them; so is
+  a restart over checkpoints whose `config.json` is missing or unreadable (written atomically,
+  so only outside hands damage it), unless `allow_config_change` lists `unchecked`.
 """
 import datetime
 import fcntl
@@ -33,6 +35,30 @@ RESUME_FIXED = ("task", "model", "batch_size", "seed", "mixed_precision", "optim
                 "histogram.features", "histogram.train_examples")
 
 
+# Fields free to change in value, but not across what the optimizer keeps: SGD has momentum
+# slots only with momentum > 0 (0.9 -> 0 would silently drop them; 0 -> 0.9 finds none).
+STATE_SHAPING = {"optimizer.momentum": lambda momentum: momentum > 0}
+
+# `allow_config_change` value that resumes a workdir whose config.json is missing or unreadable.
+UNCHECKED = "unchecked"
+
+
+def write_atomically(path: str, text: str) -> None:
+  """Writes `text` to `path` so that a kill at any moment leaves the old file or the new one."""
+  partial = f"{path}.partial.{os.getpid()}"
+  with tf.io.gfile.GFile(partial, "w") as f:
+    f.write(text)
+  tf.io.gfile.rename(partial, path, overwrite=True)
+
+
+def _value(saved: dict, dotted: str):
+  """A dotted field of the saved config.json, or None."""
+  node = saved
+  for part in dotted.split("."):
+    node = node.get(part) if isinstance(node, dict) else None
+  return node
+
+
 def _field(config, dotted: str):
   node = config
   for part in dotted.split("."):
@@ -42,6 +68,13 @@ def _field(config, dotted: str):
   return node
 
 
+# (path in the workdir, whether the run keeps a directory there) checked before a run starts.
+_LAYOUT = (("checkpoints", True), ("export", True), ("summaries", True),
+           (os.path.join("summaries", "train"), True), (os.path.join("summaries", "eval"), True),
+           (os.path.join("checkpoints", "damaged"), True),
+           (os.path.join("checkpoints", "checkpoint"), False), ("config.json", False))
+
+
 def check_writable(workdir: str) -> None:
   """Raises ConfigError unless `workdir` can hold a run (creates it)."""
   if workdir.startswith("gs://"):
@@ -49,16 +82,20 @@ def check_writable(workdir: str) -> None:
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write_probe.{os.getpid()}")  # Workers may share workdir.
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
+    try:
+      with open(probe, "w") as f:
+        f.write("ok")
+    finally:
+      if os.path.exists(probe):
+        os.remove(probe)
   except OSError as e:
     raise errors.ConfigError(f"`--workdir`={workdir!r} is not writable: {e.strerror}") from None
-  for name in ("checkpoints", "export", "summaries"):
+  for name, directory in _LAYOUT:
     path = os.path.join(workdir, name)
-    if os.path.exists(path) and not os.path.isdir(path):
-      raise errors.ConfigError(f"`--workdir`={workdir!r} holds a file named {name!r} where the "
-                               "run keeps a directory; move it away or use another workdir")
+    if os.path.exists(path) and os.path.isdir(path) != directory:
+      kind, wanted = ("a file", "a directory") if directory else ("a directory", "a file")
+      raise errors.ConfigError(f"`--workdir`={workdir!r} holds {kind} named {name!r} where the "
+                               f"run keeps {wanted}; move it away or use another workdir")
 
 
 class Lock:
@@ -75,7 +112,11 @@ class Lock:
   def __enter__(self):
     if self.path is None:
       return self
-    handle = open(self.path, "a+")  # pylint: disable=consider-using-with
+    try:  # Whatever bytes a damaged lock file holds, it only names the holder.
+      handle = open(self.path, "a+", errors="replace")  # pylint: disable=consider-using-with
+    except OSError as e:
+      raise errors.ConfigError(f"`--workdir`: cannot open its lock file {self.path} "
+                               f"({e.strerror}); move it away") from None
     try:
       fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -108,24 +149,34 @@ class Lock:
 def check_resume(config, workdir: str) -> None:
   """Refuses a restart whose config changes a field in RESUME_FIXED (unless allowed)."""
   path = os.path.join(workdir, "config.json")
-  if not tf.io.gfile.exists(path):
-    logging.warning("resuming without %s: cannot check that the config is unchanged", path)
-    return
+  allowed = {a.strip() for a in str(config.allow_config_change).split(",") if a.strip()}
   try:
     with tf.io.gfile.GFile(path) as f:
       saved = json.load(f)
-  except ValueError:
-    logging.warning("resuming with an unreadable %s: cannot check the config", path)
+    if not isinstance(saved, dict):
+      raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+  except (ValueError, tf.errors.OpError) as e:
+    problem = ("is missing" if not tf.io.gfile.exists(path)
+               else f"does not read back ({type(e).__name__})")
+    if UNCHECKED not in allowed:
+      raise errors.ConfigError(
+          f"resuming `--workdir`={workdir!r}: its {path} {problem}, so nothing says which config "
+          "its checkpoints were trained with; restore the file, or resume unchecked with "
+          f"--config.allow_config_change={UNCHECKED}") from None
+    logging.warning("resuming with %s that %s: the config is not checked (allow_config_change"
+                    "=%s)", path, problem, UNCHECKED)
     return
-  allowed = {a.strip() for a in str(config.allow_config_change).split(",") if a.strip()}
   changed = []
   for field in RESUME_FIXED:
-    node = saved
-    for part in field.split("."):
-      node = node.get(part) if isinstance(node, dict) else None
+    node = _value(saved, field)
     now = _field(config, field)
     if node is not None and now is not None and node != now and field not in allowed:
       changed.append((field, node, now))
+  for field, state_of in STATE_SHAPING.items():  # Fields whose change adds or drops slots.
+    old, new = _value(saved, field), _field(config, field)
+    if (old is not None and new is not None and state_of(old) != state_of(new)
+        and field not in allowed):
+      changed.append((field, old, new))
   if changed:
     what = ", ".join(f"`{f}` ({old!r} -> {new!r})" for f, old, new in changed)
     names = ",".join(f for f, _, _ in changed)

@@ -1,0 +1,139 @@
+"""A user's task that breaks the contract fails before training, in one line naming what is wrong.
+
+Each case is a mistake found by a probe with tasks written as users write them (2026-12-03):
+before these checks, a [B, 1] weight column trained silently unweighted, a subclassed model that
+was not built yet failed deep inside Keras, tuple datasets and empty ones gave tracebacks, and
+`mixed_precision` did not reach a task's own layers. In-process through `run.run`; the command
+line turns these errors into one line with exit 2 (tests/test_tasks.py).
+"""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import example_tasks
+import helpers
+from trainer import base_task
+from trainer import errors
+from trainer import run
+
+
+def _config(**overrides):
+  return helpers.tiny_config(**dict({"train_steps": 2, "steps_per_loop": 2, "mode": "train",
+                                     "checkpoint_every": 2}, **overrides))
+
+
+def _train(task_class, tmp_path, **overrides):
+  config = _config(**overrides)
+  return run.run(config, str(tmp_path), task=task_class(config))
+
+
+def _xent(model, batch, training):
+  return example_tasks._xent(model, batch, training)[0]  # pylint: disable=protected-access
+
+
+class WeightColumn(example_tasks.NoMetrics):
+  """Weights as a [B, 1] column (what `labels[:, None]`-style data gives)."""
+
+  def per_example_loss(self, model, batch, training):
+    weight = tf.cast(batch["y"], tf.float32)[:, None]
+    return base_task.LossOutput(loss=_xent(model, batch, training), weight=weight)
+
+
+class PerTokenLoss(example_tasks.NoMetrics):
+  """Two values per example, e.g. a per-token loss flattened to [B * T]."""
+
+  def per_example_loss(self, model, batch, training):
+    return base_task.LossOutput(loss=tf.concat([_xent(model, batch, training)] * 2, 0))
+
+
+class PerTokenMetric(example_tasks.NoMetrics):
+  metric_names = ("error",)
+
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, batch, training)
+    return base_task.LossOutput(loss=loss, metrics={"error": tf.concat([loss, loss], 0)})
+
+
+class _Subclassed(keras.Model):
+  def __init__(self):
+    super().__init__()
+    self.hidden, self.out = keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(2)
+
+  def call(self, x):
+    return self.out(self.hidden(x))
+
+
+class NotBuilt(example_tasks.NoMetrics):
+  def build_model(self):
+    return _Subclassed()  # No variables until its first call.
+
+
+class NotAModel(example_tasks.NoMetrics):
+  def build_model(self):
+    return lambda x: x
+
+
+class NoTrainingArgument(example_tasks.NoMetrics):
+  def per_example_loss(self, model, batch):  # pylint: disable=arguments-differ
+    return base_task.LossOutput(loss=_xent(model, batch, False))
+
+
+class TupleDataset(example_tasks.NoMetrics):
+  """A tf.data factory of (x, y) tuples, as `from_tensor_slices((x, y))` makes them."""
+
+  def train_data(self):
+    arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
+    return lambda: tf.data.Dataset.from_tensor_slices((arrays["x"], arrays["y"]))
+
+
+class FitStyleArrays(example_tasks.NoMetrics):
+  def train_data(self):
+    arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
+    return arrays["x"], arrays["y"]
+
+
+class EmptyDataset(example_tasks.NoMetrics):
+  def train_data(self):
+    arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays).filter(lambda e: e["y"] > 5)
+
+
+@pytest.mark.parametrize("task_class,error,message", [
+    (WeightColumn, errors.TaskError, r"weight has shape \(16, 1\); expected one weight per "),
+    (PerTokenLoss, errors.TaskError, "loss has 32 values for a batch of 16 examples"),
+    (PerTokenMetric, errors.TaskError, "metric 'error' has 32 values for a batch of 16"),
+    (NotBuilt, errors.TaskError, "build_model returned a model with no variables yet"),
+    (NotAModel, errors.TaskError, "build_model returned function; expected a keras.Model"),
+    (NoTrainingArgument, errors.TaskError,
+     r"per_example_loss cannot be called as \(model, batch, training=...\)"),
+    (TupleDataset, errors.DataError, "tf.data source elements are tuple; expected dicts"),
+    (FitStyleArrays, errors.DataError, r"train_data\(\) is a tuple of arrays, \(x, y\)"),
+    (EmptyDataset, errors.DataError, "the training data yields no batch"),
+])
+def test_contract_breaches_fail_in_one_line(tmp_path, task_class, error, message):
+  with pytest.raises(error, match=message):
+    _train(task_class, tmp_path)
+
+
+class MixedPrecision(example_tasks.NoMetrics):
+  """Layers without a dtype (they follow the config's policy); float32 logits, as Keras'
+  mixed-precision guide advises."""
+
+  def build_model(self):
+    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(2, dtype="float32")])
+
+
+@pytest.mark.parametrize("policy,compute", [("mixed_float16", "float16"),
+                                            ("mixed_bfloat16", "bfloat16")])
+def test_mixed_precision_reaches_the_layers_of_a_users_task(tmp_path, policy, compute):
+  config = _config(mixed_precision=policy)
+  _, trainer = helpers.build(config, tmp_path, MixedPrecision(config))
+  hidden, logits = trainer.model.layers
+  assert (hidden.compute_dtype, hidden.variable_dtype) == (compute, "float32")
+  assert logits.compute_dtype == "float32"
+  assert keras.config.dtype_policy().name == "float32"  # Restored after the model was built.
+  config = _config(mixed_precision=policy, mode="train_and_eval")
+  result = run.run(config, str(tmp_path / "run"), task=MixedPrecision(config))
+  assert result["global_step"] == 2 and np.isfinite(result["eval"]["loss"])

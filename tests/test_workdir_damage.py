@@ -1,0 +1,193 @@
+"""What readers and reruns meet in a workdir (found by a fault probe, 2026-12-03).
+
+Before these fixes: `mode=eval`, `export` and `continuous_eval` crashed on a damaged newest
+checkpoint (or silently read the older one a stale state file named); a rerun of a finished
+`train_and_eval` replaced its evaluation in result.json with null; a damaged config.json
+silently turned the resume guard off; a second damaged copy of a checkpoint replaced the first
+in `damaged/`; a lock file holding odd bytes crashed the run. In-process through `run.run`.
+"""
+import json
+import shutil
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import helpers
+from trainer import checkpointing
+from trainer import errors
+from trainer import run
+from trainer import workdir as workdir_lib
+
+
+def _config(**overrides):
+  return helpers.tiny_config(**dict({"train_steps": 6, "steps_per_loop": 2,
+                                     "checkpoint_every": 2, "mode": "train"}, **overrides))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A workdir with ckpt-2, -4 and -6 of a finished run; copy it before damaging it."""
+  workdir = tmp_path_factory.mktemp("trained")
+  run.run(_config(), str(workdir))
+  return workdir
+
+
+def _copy(trained, tmp_path):
+  shutil.copytree(trained, tmp_path / "w")
+  return tmp_path / "w"
+
+
+@pytest.mark.parametrize("mode", ["eval", "export", "continuous_eval"])
+@pytest.mark.parametrize("how,update", [("data_truncated", 4), ("index_missing", 4),
+                                        ("state_names_missing", 6), ("state_older", 6)])
+def test_readers_use_the_newest_intact_checkpoint(trained, tmp_path, mode, how, update):
+  """The update a training rerun would resume from, whatever the state file names; nothing in
+  the checkpoint directory is written or moved."""
+  workdir = _copy(trained, tmp_path)
+  helpers.damage_checkpoint(workdir, how)
+  before = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+  result = run.run(_config(mode=mode, eval_timeout_s=1), str(workdir))
+  assert result["global_step"] == update
+  if mode == "export":
+    assert (workdir / "export" / str(update)).is_dir()
+  else:
+    assert result["eval"] is not None and np.isfinite(result["eval"]["loss"])
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
+
+
+def test_rerunning_a_finished_train_and_eval_keeps_its_evaluation(trained, tmp_path):
+  """The rerun evaluates the final weights again (also what a restart after a SIGTERM during the
+  final evaluation needs), instead of writing "eval": null over the result."""
+  workdir = _copy(trained, tmp_path)
+  first = run.run(_config(mode="eval"), str(workdir))["eval"]
+  again = run.run(_config(mode="train_and_eval"), str(workdir))
+  assert again["global_step"] == 6
+  assert again["eval"]["loss"] == pytest.approx(first["loss"], rel=1e-6)
+  saved = json.loads((workdir / "result.json").read_text())
+  assert saved["eval"]["loss"] == pytest.approx(first["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_an_object", "missing"])
+def test_an_unreadable_config_json_refuses_the_resume_unless_unchecked(trained, tmp_path,
+                                                                       damage):
+  workdir = _copy(trained, tmp_path)
+  path = workdir / "config.json"
+  if damage == "truncated":
+    path.write_text(path.read_text()[:100])
+  elif damage == "not_an_object":
+    path.write_text("null")
+  else:
+    path.unlink()
+  changed = {"train_steps": 8, "seed": 7}
+  with pytest.raises(errors.ConfigError, match="config.json (is missing|does not read back).*"
+                                               "allow_config_change=unchecked"):
+    run.run(_config(**changed), str(workdir))
+  assert not path.exists() or "\"seed\": 7" not in path.read_text()
+  result = run.run(_config(allow_config_change=workdir_lib.UNCHECKED, **changed), str(workdir))
+  assert result["global_step"] == 8
+  assert json.loads(path.read_text())["seed"] == 7  # Written whole again, atomically.
+  assert not list(workdir.glob("config.json.partial*"))
+
+
+def test_damaged_copies_are_all_kept(trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  aside = workdir / "checkpoints" / "damaged"
+  for round_, train_steps in ((1, 6), (2, 6)):
+    shutil.copy(next((trained / "checkpoints").glob("ckpt-6.data-*")), workdir / "checkpoints")
+    shutil.copy(trained / "checkpoints" / "ckpt-6.index", workdir / "checkpoints")
+    helpers.damage_checkpoint(workdir, "data_truncated" if round_ == 1 else "data_zeroed")
+    run.run(_config(train_steps=train_steps), str(workdir))  # Resumes from 4, saves 6 again.
+  sizes = sorted(p.stat().st_size for p in aside.glob("ckpt-6.data-*"))
+  assert len(sizes) == 2 and sizes[0] == 50, sizes  # The truncated one and the zeroed one.
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe\x80 not text \x00", b""])
+def test_a_lock_file_with_any_bytes_is_taken_over(trained, tmp_path, content):
+  workdir = _copy(trained, tmp_path)
+  (workdir / ".lock").write_bytes(content)
+  assert run.run(_config(train_steps=8), str(workdir))["global_step"] == 8
+
+
+def test_a_lock_path_that_cannot_be_opened_is_one_line(trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  (workdir / ".lock").unlink()  # The trained run left it empty.
+  (workdir / ".lock").mkdir()
+  with pytest.raises(errors.ConfigError, match="cannot open its lock file .*Is a directory"):
+    run.run(_config(train_steps=8), str(workdir))
+
+
+@pytest.mark.parametrize("name,make", [
+    ("config.json", "directory"), ("summaries/train", "file"), ("summaries/eval", "file"),
+    ("checkpoints/damaged", "file"), ("checkpoints/checkpoint", "directory")])
+def test_a_workdir_entry_of_the_wrong_kind_is_one_line(trained, tmp_path, name, make):
+  workdir = _copy(trained, tmp_path)
+  path = workdir / name
+  if path.is_dir():
+    shutil.rmtree(path)
+  elif path.exists():
+    path.unlink()
+  if make == "directory":
+    path.mkdir()
+  else:
+    path.write_text("x")
+  with pytest.raises(errors.ConfigError, match=f"holds a {make} named '{name}' where the run"):
+    run.run(_config(train_steps=8), str(workdir))
+
+
+def test_a_full_disk_during_export_has_the_storage_exit_and_leaves_no_partial(
+    trained, tmp_path, monkeypatch):
+  workdir = _copy(trained, tmp_path)
+
+  def full(self, path, *args, **kwargs):
+    del self, args, kwargs
+    tf.io.gfile.makedirs(path)  # Some files were written before the disk filled.
+    raise tf.errors.ResourceExhaustedError(None, None, f"{path}: No space left on device")
+  monkeypatch.setattr(keras.Model, "export", full)
+  with pytest.raises(checkpointing.CheckpointWriteError, match="cannot write the export .*/6 "
+                                                               r"\(ResourceExhaustedError"):
+    run.run(_config(mode="export"), str(workdir))
+  assert not list((workdir / "export").iterdir())
+
+
+def test_setting_damaged_files_aside_in_a_read_only_directory_is_a_storage_error(
+    trained, tmp_path, monkeypatch):
+  workdir = _copy(trained, tmp_path)
+  helpers.damage_checkpoint(workdir, "data_truncated")
+
+  def read_only(*args, **kwargs):
+    raise tf.errors.PermissionDeniedError(None, None, "Read-only file system")
+  monkeypatch.setattr(checkpointing.tf.io.gfile, "rename", read_only)
+  with pytest.raises(checkpointing.CheckpointWriteError, match="cannot set the damaged "
+                                                               "checkpoint.*aside"):
+    run.run(_config(train_steps=8), str(workdir))
+
+
+def test_a_checkpoint_of_another_model_is_the_last_line(tmp_path):
+  """TF's warnings about the checkpoint's unmatched values used to follow the error line."""
+  recipe = "configs/fashion_mnist.py:smoke,synthetic"
+  first = helpers.run_cli(tmp_path, recipe, "train_steps=2", "mode=train", "model=mlp",
+                          "export_at_end=False", timeout=180)
+  assert first.returncode == 0, first.stderr[-2000:]
+  second = helpers.run_cli(tmp_path, recipe, "train_steps=4", "mode=train", "model=small_cnn",
+                           "allow_config_change=model", "export_at_end=False", timeout=180)
+  assert second.returncode == 2, second.stderr[-2000:]
+  last = second.stderr.strip().splitlines()[-1]
+  assert last.startswith("microstep: error: the checkpoint") and "does not match" in last, (
+      second.stderr[-2000:])
+
+
+@pytest.mark.parametrize("before,after,refused", [(0.9, 0.0, True), (0.0, 0.9, True),
+                                                  (0.9, 0.95, False)])
+def test_sgd_momentum_may_change_but_not_appear_or_vanish(tmp_path, before, after, refused):
+  """Momentum 0.9 -> 0 used to resume silently without the momentum slots."""
+  sgd = lambda momentum, steps, **kw: _config(**{"optimizer.name": "sgd", "train_steps": steps,
+                                                 "optimizer.momentum": momentum}, **kw)
+  run.run(sgd(before, 2), str(tmp_path))
+  if not refused:
+    assert run.run(sgd(after, 4), str(tmp_path))["global_step"] == 4
+    return
+  with pytest.raises(errors.ConfigError, match=f"changed `optimizer.momentum` \\({before!r} -> "
+                                               f"{after!r}\\)"):
+    run.run(sgd(after, 4), str(tmp_path))

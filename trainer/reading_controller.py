@@ -1,0 +1,55 @@
+"""The Orbit Controller of runs that only read checkpoints: `mode` = eval, export, continuous_eval.
+
+Orbit's Controller restores the checkpoint that the `checkpoint` state file names: once when it
+is built, and then each new one while it watches the directory. A reader cannot trust that file,
+because only a training chief repairs it (`checkpointing.restore_newest_intact`). The file may
+name a damaged checkpoint, one that is gone, or an older one than the newest intact `ckpt-N`: a
+kill between a save's files and its state file leaves the latter. `ReadingController` therefore:
+* when built, keeps what the runner restored, the newest `ckpt-N` that reads back whole
+  (training resumes from the same one), instead of restoring the state file's;
+* while watching (`evaluate_continuously`), evaluates that one first, then each newer checkpoint
+  the state file lists, restored with `checkpointing.restore_one`; a damaged one is skipped with
+  a warning instead of crashing the evaluator, an older one (a stale state file) is not
+  evaluated again.
+It writes nothing to the checkpoint directory. Eager, host.
+"""
+from absl import logging
+import orbit
+import tensorflow as tf
+
+from trainer import checkpointing
+
+
+class ReadingController(orbit.Controller):
+  """`orbit.Controller` for readers; `restored` is the prefix the runner restored (or None)."""
+
+  def __init__(self, *args, restored=None, **kwargs):
+    self._restored = restored
+    super().__init__(*args, **kwargs)
+
+  def restore_checkpoint(self, checkpoint_path=None):
+    if checkpoint_path is None:  # Orbit's restore at construction: the runner's one stands.
+      return self._restored
+    damage = checkpointing.restore_one(self.checkpoint_manager.checkpoint, checkpoint_path,
+                                       self.strategy)
+    if damage:
+      logging.warning("skipped damaged checkpoint %s (%s)", checkpoint_path, damage)
+      return None
+    return checkpoint_path
+
+  def evaluate_continuously(self, steps=-1, timeout=None, timeout_fn=None):
+    """Evaluates the restored checkpoint, then each newer one that reads back whole, as the
+    state file lists them; returns the last outputs."""
+    output, newest = None, -1
+    if self._restored:
+      output, newest = self.evaluate(steps), _number(self._restored)
+    for path in tf.train.checkpoints_iterator(self.checkpoint_manager.directory,
+                                              timeout=timeout, timeout_fn=timeout_fn):
+      if _number(path) > newest and self.restore_checkpoint(path) is not None:
+        output, newest = self.evaluate(steps), _number(path)
+    return output
+
+
+def _number(prefix: str) -> int:
+  """N of a `.../ckpt-N` prefix."""
+  return int(prefix.rsplit("-", 1)[1])
