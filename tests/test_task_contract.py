@@ -116,6 +116,15 @@ def test_contract_breaches_fail_in_one_line(tmp_path, task_class, error, message
     _train(task_class, tmp_path)
 
 
+class ScalarWeight(example_tasks.NoMetrics):
+  def per_example_loss(self, model, batch, training):
+    return base_task.LossOutput(loss=_xent(model, batch, training), weight=2.0)
+
+
+def test_one_weight_for_the_whole_batch_is_broadcast(tmp_path):
+  assert _train(ScalarWeight, tmp_path)["global_step"] == 2
+
+
 class MixedPrecision(example_tasks.NoMetrics):
   """Layers without a dtype (they follow the config's policy); float32 logits, as Keras'
   mixed-precision guide advises."""

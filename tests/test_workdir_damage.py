@@ -99,8 +99,10 @@ def test_damaged_copies_are_all_kept(trained, tmp_path):
     shutil.copy(trained / "checkpoints" / "ckpt-6.index", workdir / "checkpoints")
     helpers.damage_checkpoint(workdir, "data_truncated" if round_ == 1 else "data_zeroed")
     run.run(_config(train_steps=train_steps), str(workdir))  # Resumes from 4, saves 6 again.
-  sizes = sorted(p.stat().st_size for p in aside.glob("ckpt-6.data-*"))
-  assert len(sizes) == 2 and sizes[0] == 50, sizes  # The truncated one and the zeroed one.
+  copies = {p.name.split(".")[0]: p.stat().st_size for p in aside.glob("ckpt-6*.data-*")}
+  assert sorted(copies) == ["ckpt-6", "ckpt-6_1"], copies  # Each a prefix with its own index.
+  assert copies["ckpt-6"] == 50 and copies["ckpt-6_1"] > 50  # The truncated one, the zeroed one.
+  assert sorted(p.name for p in aside.glob("ckpt-6*.index")) == ["ckpt-6.index", "ckpt-6_1.index"]
 
 
 @pytest.mark.parametrize("content", [b"\xff\xfe\x80 not text \x00", b""])
@@ -178,16 +180,30 @@ def test_a_checkpoint_of_another_model_is_the_last_line(tmp_path):
       second.stderr[-2000:])
 
 
-@pytest.mark.parametrize("before,after,refused", [(0.9, 0.0, True), (0.0, 0.9, True),
-                                                  (0.9, 0.95, False)])
-def test_sgd_momentum_may_change_but_not_appear_or_vanish(tmp_path, before, after, refused):
+@pytest.mark.parametrize("name,before,after,refused", [
+    ("sgd", 0.9, 0.0, True), ("sgd", 0.0, 0.9, True), ("sgd", 0.9, 0.95, False),
+    ("adam", 0.0, 0.9, False)])  # Adam keeps no momentum slots: the field means nothing there.
+def test_sgd_momentum_may_change_but_not_appear_or_vanish(tmp_path, name, before, after,
+                                                          refused):
   """Momentum 0.9 -> 0 used to resume silently without the momentum slots."""
-  sgd = lambda momentum, steps, **kw: _config(**{"optimizer.name": "sgd", "train_steps": steps,
-                                                 "optimizer.momentum": momentum}, **kw)
-  run.run(sgd(before, 2), str(tmp_path))
+  opt = lambda momentum, steps: _config(**{"optimizer.name": name, "train_steps": steps,
+                                           "optimizer.momentum": momentum})
+  run.run(opt(before, 2), str(tmp_path))
   if not refused:
-    assert run.run(sgd(after, 4), str(tmp_path))["global_step"] == 4
+    assert run.run(opt(after, 4), str(tmp_path))["global_step"] == 4
     return
   with pytest.raises(errors.ConfigError, match=f"changed `optimizer.momentum` \\({before!r} -> "
                                                f"{after!r}\\)"):
-    run.run(sgd(after, 4), str(tmp_path))
+    run.run(opt(after, 4), str(tmp_path))
+
+
+def test_a_failed_move_of_a_complete_export_keeps_it(trained, tmp_path, monkeypatch):
+  workdir = _copy(trained, tmp_path)
+  from trainer import export  # pylint: disable=g-import-not-at-top
+
+  def refuse(*args, **kwargs):
+    raise tf.errors.PermissionDeniedError(None, None, "Read-only file system")
+  monkeypatch.setattr(export.tf.io.gfile, "rename", refuse)
+  with pytest.raises(checkpointing.CheckpointWriteError, match="cannot move the complete export"):
+    run.run(_config(mode="export"), str(workdir))
+  assert (workdir / "export" / "6.partial" / "saved_model.pb").exists()

@@ -214,6 +214,8 @@ def weighted_outputs(task, model, batch: dict, training: bool):
   weight = valid
   if out.weight is not None:
     weight = tf.cast(out.weight, tf.float32)
+    if weight.shape.rank == 0:  # One weight for the whole batch.
+      weight = tf.fill(tf.shape(valid), weight)
     if weight.shape.rank != 1:  # A [B, 1] column would broadcast with the loss to [B, B].
       raise errors.TaskError(f"{name}.per_example_loss: weight has shape {weight.shape}; "
                              "expected one weight per example [B] (flatten a [B, 1] column)")
@@ -255,9 +257,13 @@ def check_contract(task, model) -> None:
         f"{name}.build_model returned a model with no variables yet (a subclassed keras.Model "
         "creates them at its first call): call it once on an example batch inside build_model, "
         "or build it with keras.Input")
-  method = task.represent if isinstance(task, BatchLossTask) else task.per_example_loss
+  method_name = "represent" if isinstance(task, BatchLossTask) else "per_example_loss"
   try:
-    inspect.signature(method).bind(model, {}, training=False)
+    signature = inspect.signature(getattr(task, method_name))
+  except (TypeError, ValueError):  # A callable without a signature: nothing to check.
+    return
+  try:
+    signature.bind(model, {}, training=False)
   except TypeError as e:
-    raise errors.TaskError(f"{name}.{method.__name__} cannot be called as (model, batch, "
+    raise errors.TaskError(f"{name}.{method_name} cannot be called as (model, batch, "
                            f"training=...): {e}") from None

@@ -26,8 +26,10 @@ from trainer import errors
 
 
 # What a write to a full, read-only or forbidden directory raises (TF's file system or Python's).
+# Not FailedPrecondition: TF raises it for a tf.data iterator that cannot be saved (a stateful
+# op in the pipeline), which is no storage problem.
 STORAGE_ERRORS = (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
-                  tf.errors.UnknownError, tf.errors.FailedPreconditionError, OSError)
+                  tf.errors.UnknownError, OSError)
 
 
 class _ManagerWithDataState(tf.train.CheckpointManager):
@@ -246,8 +248,9 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
     aside = os.path.join(directory, "damaged")
     tf.io.gfile.makedirs(aside)
     for prefix in damaged:
+      name = _unused(aside, os.path.basename(prefix))
       for path in tf.io.gfile.glob(prefix + ".*"):
-        tf.io.gfile.rename(path, _unused(os.path.join(aside, os.path.basename(path))))
+        tf.io.gfile.rename(path, os.path.join(aside, name + path[len(prefix):]))
   intact = list(reversed(intact_newest_first))  # Oldest first, as the state file lists them.
   try:
     state = tf.train.get_checkpoint_state(directory)
@@ -262,10 +265,11 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
                                                all_model_checkpoint_paths=intact)
 
 
-def _unused(path: str) -> str:
-  """`path`, or `path.1`, `path.2`, ... : the first name not taken (damaged copies are kept)."""
-  candidate, n = path, 0
-  while tf.io.gfile.exists(candidate):
+def _unused(directory: str, name: str) -> str:
+  """`name` (e.g. ckpt-6), or `name_1`, `name_2`, ...: the first checkpoint prefix with no
+  files in `directory` (damaged copies are kept, each still loadable as a prefix)."""
+  candidate, n = name, 0
+  while tf.io.gfile.glob(os.path.join(directory, candidate + ".*")):
     n += 1
-    candidate = f"{path}.{n}"
+    candidate = f"{name}_{n}"
   return candidate

@@ -32,8 +32,6 @@ def export_model(task, model, workdir: str, step: int) -> str:
     _remove(partial)
     tf.io.gfile.makedirs(os.path.dirname(final))
     model.export(partial, format="tf_saved_model", verbose=False, input_signature=signature)
-    _remove(final)
-    tf.io.gfile.rename(partial, final)
   except (ValueError, TypeError) as e:
     _remove(partial)
     first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -49,5 +47,12 @@ def export_model(task, model, workdir: str, step: int) -> str:
         f"cannot write the export {final} ({type(e).__name__}: {' '.join(str(e).split())[:120]}"
         "); disk full? The checkpoints are intact: free space and rerun with `mode=export`"
         ) from None
+  try:
+    _remove(final)
+    tf.io.gfile.rename(partial, final)
+  except checkpointing.STORAGE_ERRORS as e:
+    raise checkpointing.CheckpointWriteError(
+        f"cannot move the complete export {partial} to {final} ({type(e).__name__}); move it "
+        "by hand") from None
   logging.info("exported the model of update %d to %s", step, final)
   return final

@@ -7,10 +7,12 @@ name a damaged checkpoint, one that is gone, or an older one than the newest int
 kill between a save's files and its state file leaves the latter. `ReadingController` therefore:
 * when built, keeps what the runner restored, the newest `ckpt-N` that reads back whole
   (training resumes from the same one), instead of restoring the state file's;
-* while watching (`evaluate_continuously`), evaluates that one first, then each newer checkpoint
-  the state file lists, restored with `checkpointing.restore_one`; a damaged one is skipped with
-  a warning instead of crashing the evaluator, an older one (a stale state file) is not
-  evaluated again.
+* while watching (`evaluate_continuously`), evaluates that one first, then, as Orbit does, the
+  newest checkpoint the state file names at each poll, restored with `checkpointing.restore_one`:
+  a damaged one is skipped with a warning (the last good one's values are restored again)
+  instead of crashing the evaluator, and an older one (a stale state file) is not evaluated
+  again. (Like Orbit's, it evaluates a path once: a damaged `ckpt-N` that the trainer later
+  writes anew under the same name is not evaluated.)
 It writes nothing to the checkpoint directory. Eager, host.
 """
 from absl import logging
@@ -32,14 +34,18 @@ class ReadingController(orbit.Controller):
       return self._restored
     damage = checkpointing.restore_one(self.checkpoint_manager.checkpoint, checkpoint_path,
                                        self.strategy)
-    if damage:
+    if damage:  # Its values may be half read: back to the last good checkpoint's.
       logging.warning("skipped damaged checkpoint %s (%s)", checkpoint_path, damage)
+      if self._restored:
+        checkpointing.restore_one(self.checkpoint_manager.checkpoint, self._restored,
+                                  self.strategy)
       return None
+    self._restored = checkpoint_path
     return checkpoint_path
 
   def evaluate_continuously(self, steps=-1, timeout=None, timeout_fn=None):
-    """Evaluates the restored checkpoint, then each newer one that reads back whole, as the
-    state file lists them; returns the last outputs."""
+    """Evaluates the restored checkpoint, then, at each poll, the newest one the state file
+    names if it is newer and reads back whole; returns the last outputs."""
     output, newest = None, -1
     if self._restored:
       output, newest = self.evaluate(steps), _number(self._restored)

@@ -235,9 +235,8 @@ def _run(config, workdir: str, task) -> dict:
       if not training:
         raise
       raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
-          "the training data yields no batch (an empty tf.data source, e.g. a filter that drops "
-          f"every example, or fewer examples than `batch_size`={config.batch_size} per "
-          "replica)") from None
+          "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
+          "every example), on this worker at least (its shard)") from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError) as e:
       raise preemption.PeerLostError(

@@ -8,7 +8,8 @@
   and share the workdir as before. gs:// workdirs are not locked (no flock there).
 * `check_resume`: the resolved config of the run lives in `config.json`. A restart that changes
   a field which gives the saved state its meaning (batch size, seed, task, model, optimizer,
-  accumulation, data) is refused, naming the fields and the override that accepts them; so is
+  accumulation, data; SGD momentum to or from 0, which adds or drops the optimizer's slots) is
+  refused, naming the fields and the override that accepts them; so is
   a restart over checkpoints whose `config.json` is missing or unreadable (written atomically,
   so only outside hands damage it), unless `allow_config_change` lists `unchecked`.
 """
@@ -21,6 +22,7 @@ import socket
 from absl import logging
 import tensorflow as tf
 
+from trainer import checkpointing
 from trainer import errors
 
 # Fields whose change reinterprets a checkpoint: the data position (`micro_batches_seen`) counts
@@ -34,10 +36,6 @@ RESUME_FIXED = ("task", "model", "batch_size", "seed", "mixed_precision", "optim
                 "text.sequence_length", "text.target_token", "text.train_examples",
                 "histogram.features", "histogram.train_examples")
 
-
-# Fields free to change in value, but not across what the optimizer keeps: SGD has momentum
-# slots only with momentum > 0 (0.9 -> 0 would silently drop them; 0 -> 0.9 finds none).
-STATE_SHAPING = {"optimizer.momentum": lambda momentum: momentum > 0}
 
 # `allow_config_change` value that resumes a workdir whose config.json is missing or unreadable.
 UNCHECKED = "unchecked"
@@ -155,8 +153,8 @@ def check_resume(config, workdir: str) -> None:
       saved = json.load(f)
     if not isinstance(saved, dict):
       raise ValueError(f"a JSON {type(saved).__name__}, not an object")
-  except (ValueError, tf.errors.OpError) as e:
-    problem = ("is missing" if not tf.io.gfile.exists(path)
+  except (ValueError, tf.errors.NotFoundError) as e:
+    problem = ("is missing" if isinstance(e, tf.errors.NotFoundError)
                else f"does not read back ({type(e).__name__})")
     if UNCHECKED not in allowed:
       raise errors.ConfigError(
@@ -166,17 +164,21 @@ def check_resume(config, workdir: str) -> None:
     logging.warning("resuming with %s that %s: the config is not checked (allow_config_change"
                     "=%s)", path, problem, UNCHECKED)
     return
+  except tf.errors.OpError as e:  # Storage unavailable: not the file's fault; rerun later.
+    raise checkpointing.CheckpointReadError(
+        f"cannot read {path} ({type(e).__name__}); storage unavailable? Nothing was changed; "
+        "rerun to resume") from None
   changed = []
   for field in RESUME_FIXED:
     node = _value(saved, field)
     now = _field(config, field)
     if node is not None and now is not None and node != now and field not in allowed:
       changed.append((field, node, now))
-  for field, state_of in STATE_SHAPING.items():  # Fields whose change adds or drops slots.
-    old, new = _value(saved, field), _field(config, field)
-    if (old is not None and new is not None and state_of(old) != state_of(new)
-        and field not in allowed):
-      changed.append((field, old, new))
+  old, new = _value(saved, "optimizer.momentum"), _field(config, "optimizer.momentum")
+  if (_value(saved, "optimizer.name") == "sgd" == _field(config, "optimizer.name")
+      and old is not None and new is not None and (old > 0) != (new > 0)
+      and "optimizer.momentum" not in allowed):  # SGD's momentum slots would vanish or be missing.
+    changed.append(("optimizer.momentum", old, new))
   if changed:
     what = ", ".join(f"`{f}` ({old!r} -> {new!r})" for f, old, new in changed)
     names = ",".join(f for f, _, _ in changed)
