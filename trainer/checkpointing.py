@@ -48,8 +48,8 @@ class _ManagerWithDataState(tf.train.CheckpointManager):
     except STORAGE_ERRORS as e:
       previous = self.latest_checkpoint or "none"
       raise CheckpointWriteError(
-          f"cannot write a checkpoint to {self.directory} ({_reason(e)}); disk full? The latest "
-          f"checkpoint is still {previous}: free space and rerun to resume") from None
+          f"cannot write a checkpoint to {self.directory} ({describe_error(e)}); disk full? The "
+          f"latest checkpoint is still {previous}: free space and rerun to resume") from None
     return path
 
 
@@ -108,7 +108,7 @@ def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int,
     _data_checkpoint(data_iterator, list(layout)).restore(path).assert_existing_objects_matched()
   except (*_DAMAGE, tf.errors.OpError, AssertionError, ValueError) as e:
     logging.warning("the input iterator of update %d does not read back (%s): skipping the "
-                    "consumed batches instead", step, _reason(e))
+                    "consumed batches instead", step, describe_error(e))
     return False
   logging.info("restored the input iterator of update %d from %s", step, path)
   return True
@@ -143,7 +143,8 @@ def _numbered(directory: str) -> list:
   return sorted(found, reverse=True)
 
 
-def _reason(error: BaseException) -> str:
+def describe_error(error: BaseException) -> str:
+  """`Type: message`, on one line and cut to 120 characters (for one-line errors)."""
   text = " ".join(str(error).split())
   return f"{type(error).__name__}: {text[:120]}"
 
@@ -174,7 +175,7 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
         _repair(directory, [p for p, _ in skipped], [p for n, p in candidates if n <= number])
       except STORAGE_ERRORS as e:
         raise CheckpointWriteError(
-            f"cannot set the damaged checkpoint(s) aside in {directory} ({_reason(e)}); "
+            f"cannot set the damaged checkpoint(s) aside in {directory} ({describe_error(e)}); "
             "read-only or full? Nothing was lost: make it writable and rerun") from None
     return prefix
   if skipped:
@@ -194,13 +195,13 @@ def restore_one(checkpoint, prefix: str, strategy):
       status = checkpoint.restore(prefix)
       status.assert_existing_objects_matched()
   except _DAMAGE as e:
-    return _reason(e)
+    return describe_error(e)
   except tf.errors.OpError as e:
     if type(e) is not tf.errors.OpError:  # Bare OpError: the reader's checksum mismatch.
       raise CheckpointReadError(
-          f"cannot read the checkpoint {prefix} ({_reason(e)}); storage unavailable? Nothing "
-          "was moved; rerun to resume") from None
-    return _reason(e)
+          f"cannot read the checkpoint {prefix} ({describe_error(e)}); storage unavailable? "
+          "Nothing was moved; rerun to resume") from None
+    return describe_error(e)
   except (AssertionError, ValueError) as e:
     if status is not None:  # Else TF warns about the unmatched values at exit, after our line.
       status.expect_partial()

@@ -44,9 +44,8 @@ def export_model(task, model, workdir: str, step: int) -> str:
     except checkpointing.STORAGE_ERRORS:
       pass
     raise checkpointing.CheckpointWriteError(
-        f"cannot write the export {final} ({type(e).__name__}: {' '.join(str(e).split())[:120]}"
-        "); disk full? The checkpoints are intact: free space and rerun with `mode=export`"
-        ) from None
+        f"cannot write the export {final} ({checkpointing.describe_error(e)}); disk full? The "
+        "checkpoints are intact: free space and rerun with `mode=export`") from None
   try:
     _remove(final)
     tf.io.gfile.rename(partial, final)

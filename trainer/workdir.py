@@ -49,15 +49,8 @@ def write_atomically(path: str, text: str) -> None:
   tf.io.gfile.rename(partial, path, overwrite=True)
 
 
-def _value(saved: dict, dotted: str):
-  """A dotted field of the saved config.json, or None."""
-  node = saved
-  for part in dotted.split("."):
-    node = node.get(part) if isinstance(node, dict) else None
-  return node
-
-
 def _field(config, dotted: str):
+  """A dotted field of a ConfigDict, or of the dict read from config.json; None if absent."""
   node = config
   for part in dotted.split("."):
     if not hasattr(node, "keys") or part not in node.keys():
@@ -170,12 +163,12 @@ def check_resume(config, workdir: str) -> None:
         "rerun to resume") from None
   changed = []
   for field in RESUME_FIXED:
-    node = _value(saved, field)
+    node = _field(saved, field)
     now = _field(config, field)
     if node is not None and now is not None and node != now and field not in allowed:
       changed.append((field, node, now))
-  old, new = _value(saved, "optimizer.momentum"), _field(config, "optimizer.momentum")
-  if (_value(saved, "optimizer.name") == "sgd" == _field(config, "optimizer.name")
+  old, new = _field(saved, "optimizer.momentum"), _field(config, "optimizer.momentum")
+  if (_field(saved, "optimizer.name") == "sgd" == _field(config, "optimizer.name")
       and old is not None and new is not None and (old > 0) != (new > 0)
       and "optimizer.momentum" not in allowed):  # SGD's momentum slots would vanish or be missing.
     changed.append(("optimizer.momentum", old, new))
