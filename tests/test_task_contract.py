@@ -99,6 +99,18 @@ class EmptyDataset(example_tasks.NoMetrics):
     return lambda: tf.data.Dataset.from_tensor_slices(arrays).filter(lambda e: e["y"] > 5)
 
 
+class EmptyEvalDataset(example_tasks.NoMetrics):
+  def eval_data(self):
+    arrays = example_tasks._arrays(40, 2)  # pylint: disable=protected-access
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays).filter(lambda e: e["y"] > 5)
+
+
+def test_an_evaluation_that_counted_no_example_fails_in_one_line(tmp_path):
+  """It reported loss 0.0 (a perfect model) over 0 examples."""
+  with pytest.raises(errors.DataError, match="the evaluation data counted no example"):
+    _train(EmptyEvalDataset, tmp_path, mode="train_and_eval")
+
+
 @pytest.mark.parametrize("task_class,error,message", [
     (WeightColumn, errors.TaskError, r"weight has shape \(16, 1\); expected one weight per "),
     (PerTokenLoss, errors.TaskError, "loss has 32 values for a batch of 16 examples"),

@@ -13,20 +13,26 @@ working directory.
 """
 from trainer import shutdown
 
-shutdown.install()  # First: a SIGTERM during the imports below is already a clean stop.
+shutdown.install()  # First: a signal during the imports below is already a clean stop.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import gc
-import os
-import sys
+with shutdown.exit_on_stop():  # A stop during the imports: its one line and exit code.
+  import gc
+  import os
+  import sys
 
-from absl import app
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
+  from absl import app
+  from absl import flags
+  from absl import logging
+  from ml_collections import config_flags
 
-from trainer import exit_codes
-from trainer import flag_errors
+  from trainer import exit_codes
+  from trainer import flag_errors
+
+  _CONFIG = config_flags.DEFINE_config_file("config", None,
+                                            "Config file, e.g. configs/fashion_mnist.py")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, summaries and config.json go here.")
+  flags.mark_flags_as_required(["config", "workdir"])
 
 
 def _config_dir_importable(argv) -> None:
@@ -38,11 +44,6 @@ def _config_dir_importable(argv) -> None:
       directory = os.path.dirname(os.path.abspath(value.split(":", 1)[0]))
       if directory not in sys.path:
         sys.path.insert(1, directory)
-
-
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/fashion_mnist.py")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, summaries and config.json go here.")
-flags.mark_flags_as_required(["config", "workdir"])
 
 
 def main(argv):
@@ -70,11 +71,9 @@ def main(argv):
 
 def run_cli() -> None:
   """The command line: parse the flags, run, turn every failure into one line and an exit code."""
-  try:
+  with shutdown.exit_on_stop():
     _config_dir_importable(sys.argv)
     app.run(main, flags_parser=flag_errors.parse)
-  except shutdown.StopRequested as e:
-    flag_errors.fail(str(e), e.exit_code)
 
 
 if __name__ == "__main__":

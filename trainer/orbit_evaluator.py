@@ -6,11 +6,13 @@
       eval_end()                        # eager: one cross-replica read (SUM), then ratios
 Padding examples of the last batch carry weight 0, so the whole split counts exactly once.
 A tf.data source without a known length is evaluated until it is exhausted (`num_steps=-1`).
+An evaluation that counted no example (empty source, all weights 0) is a `DataError`.
 """
 import orbit
 import tensorflow as tf
 
 from trainer import base_task
+from trainer import errors
 
 
 class Evaluator(orbit.StandardEvaluator):
@@ -43,7 +45,11 @@ class Evaluator(orbit.StandardEvaluator):
   def eval_end(self):
     with self.strategy.scope():
       sums = self.sums.read_value().numpy()
-    weight = max(float(sums[1]), 1e-12)
+    if not sums[1] > 0:  # A loss of 0 would read as perfect; NaN as diverged.
+      raise errors.DataError(
+          "the evaluation data counted no example (total weight 0): the eval source is empty "
+          "(e.g. a filter drops every example) or every weight is 0")
+    weight = float(sums[1])
     output = {"loss": sums[0] / weight, "examples": float(sums[1])}
     for i, name in enumerate(self.task.metric_names):
       output[name] = sums[2 + i] / weight

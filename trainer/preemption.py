@@ -59,5 +59,5 @@ class PreemptionWatcher:
     path = self._manager.save(checkpoint_number=step, check_interval=False)
     logging.warning("stopping: saved %s at update %d", path, step)
     name = "SIGINT" if shutdown.exit_code_for(signum) == 130 else "SIGTERM"
-    raise shutdown.StopRequested(
+    raise shutdown.stop(
         signum, f"stopped by {name}; checkpoint written at update {step}, rerun to resume")

@@ -3,14 +3,17 @@
 `install()` runs first thing in `trainer.main`, before TensorFlow is imported. From then on:
 
     phase                               SIGTERM                      SIGINT (Ctrl-C)
-    imports, build, restore, eval       StopRequested at once:       StopRequested at once:
-    (nothing unsaved)                   exit 42                      exit 130
+    imports, build, restore, eval,      StopRequested at once:       StopRequested at once:
+    export (nothing unsaved)            exit 42                      exit 130
     training (inside `deferred()`)      noted; the trainer writes    noted; the same, exit 130
                                         a checkpoint at the end of   (a second Ctrl-C stops at
-                                        the loop and exits 42; a     once)
-                                        repeated SIGTERM changes
-                                        nothing (ignored from the
-                                        first one on)
+                                        the loop and exits 42        once, without it)
+
+Once a stop is noted, other signals change nothing: a SIGTERM or a Ctrl-C after a SIGTERM, or a
+SIGTERM after a Ctrl-C, keeps the first one's checkpoint and exit code; only a second Ctrl-C
+overrides a Ctrl-C. Once a stop is raised (`stop()`), both signals change nothing until the
+process ends (`exit_on_stop()` in `trainer.main`): a signal that lands while the process
+unwinds or exits cannot replace the stop's message or turn its exit code into -15 or -2.
 
 Handlers only run Python between bytecodes in the main thread: a signal that arrives inside a
 long TensorFlow call is acted on when that call returns. The checkpoint a stop writes sits on an
@@ -23,6 +26,7 @@ from trainer import exit_codes
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _state = {"deferred": 0, "requested": None, "installed": False}
+_IDLE_MESSAGE = "with nothing unsaved; rerun the same command to continue"
 
 
 class StopRequested(BaseException):
@@ -35,8 +39,7 @@ class StopRequested(BaseException):
     self.signum = signum
     self.exit_code = exit_code_for(signum)
     name = signal.Signals(signum).name
-    super().__init__(message or f"stopped by {name} before training had anything to save; "
-                                "rerun the same command to resume")
+    super().__init__(message or f"stopped by {name} {_IDLE_MESSAGE}")
 
 
 def exit_code_for(signum: int) -> int:
@@ -44,19 +47,47 @@ def exit_code_for(signum: int) -> int:
       exit_codes.PREEMPTED_EXIT_CODE)
 
 
+def _ignore(signum, frame):  # pylint: disable=unused-argument
+  """The handler once a stop is raised: the process is ending with that stop's code."""
+
+
+def stop(signum: int, message: str = "") -> StopRequested:
+  """The StopRequested to raise now; from here on SIGTERM and SIGINT change nothing (main
+  thread, eager, host). A Python handler that does nothing, rather than SIG_IGN, so that a
+  signal already caught but not yet handled meets a handler (CPython reports one that meets
+  SIG_IGN as a race); `exit_on_stop()` then ignores them for the exit itself."""
+  for other in _SIGNALS:
+    signal.signal(other, _ignore)
+  return StopRequested(signum, message)
+
+
+@contextlib.contextmanager
+def exit_on_stop():
+  """A StopRequested raised in the block exits the process with its one line and exit code (the
+  command line; main thread, eager, host). SIGTERM and SIGINT are ignored from then on: Python
+  gives the signals it handled their default action back while it finalises, and a late one
+  would end the process as -15 or -2."""
+  try:
+    yield
+  except StopRequested as e:
+    for other in _SIGNALS:
+      signal.signal(other, signal.SIG_IGN)
+    from trainer import flag_errors  # pylint: disable=g-import-not-at-top
+    flag_errors.fail(str(e), e.exit_code)
+
+
 def _handle(signum, frame):  # pylint: disable=unused-argument
   if signum == signal.SIGTERM:
-    # The run is stopping now; a repeated SIGTERM (a supervisor and a VM shutdown alike) changes
-    # nothing, also while the process exits: Python restores the default action of handled
-    # signals when it finalises, and a late SIGTERM would then end it as -15 instead of 42.
+    # A repeated SIGTERM (a supervisor and a VM shutdown alike) changes nothing from here on.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  if _state["deferred"]:
-    if _state["requested"] is None:
-      _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
-      return
-    if signum != signal.SIGINT:
-      return
-  raise StopRequested(signum)
+  if not _state["deferred"]:
+    raise stop(signum)
+  noted = _state["requested"]
+  if noted is None:
+    _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
+  elif signum == signal.SIGINT and noted == signal.SIGINT:
+    raise stop(signum, "stopped at once by a second SIGINT: the updates since the last "
+                       "checkpoint are not saved; rerun the same command to resume from it")
 
 
 def install() -> None:
@@ -78,7 +109,8 @@ def reinstall() -> None:
 
 @contextlib.contextmanager
 def deferred():
-  """Within the block a first signal is only noted (`requested()`); a second one stops at once."""
+  """Within the block a first signal is only noted (`requested()`); a second Ctrl-C after a first
+  one stops at once, any other second signal changes nothing."""
   _state["deferred"] += 1
   try:
     yield
