@@ -161,3 +161,24 @@ def test_frozen_weights_are_not_averaged(tmp_path):
   trainer.train(tf.constant(1))
   synced = {v.path for v in trainer._state.variables}  # pylint: disable=protected-access
   assert frozen.kernel.path not in synced and synced, synced
+
+
+def test_mixed_float16_does_not_depend_on_k_or_the_replicas(tmp_path):
+  """The loss scale multiplies the mean over an update's examples, as Keras does: each example's
+  float16 gradient is the same size for k = 1 x B = 32, k = 4 x b = 8 and two replicas. (It
+  multiplied the sum: 32x larger rows that overflowed, so the three skipped different updates
+  and ended 1e-2 apart.) Equal to float16 rounding, with no skipped update."""
+  base = {"mixed_precision": "mixed_float16", "train_steps": 6, "steps_per_loop": 6,
+          "checkpoint_every": 6, "mode": "train", "optimizer.name": "sgd",
+          "optimizer.learning_rate": 0.1}
+  setups = {"k1": {"batch_size": 32},
+            "k4": {"batch_size": 8, "accumulation.steps": 4},
+            "mirrored": {"batch_size": 32, "strategy": "mirrored", "cpu_replicas": 2}}
+  weights = {}
+  for name, overrides in setups.items():
+    result = run_lib.run(helpers.tiny_config(**dict(base, **overrides)), str(tmp_path / name))
+    assert result["skipped_updates"] == 0, name
+    weights[name] = helpers.checkpoint_weights(tmp_path / name)[1]
+  for name in ("k4", "mirrored"):
+    for key, value in weights["k1"].items():
+      np.testing.assert_allclose(weights[name][key], value, atol=2e-4, err_msg=f"{name} {key}")

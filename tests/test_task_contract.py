@@ -105,10 +105,39 @@ class EmptyEvalDataset(example_tasks.NoMetrics):
     return lambda: tf.data.Dataset.from_tensor_slices(arrays).filter(lambda e: e["y"] > 5)
 
 
+class NegativeWeights(example_tasks.NoMetrics):
+  def per_example_loss(self, model, batch, training):
+    weight = tf.where(batch["y"] > 0, 1.0, -0.25)
+    return base_task.LossOutput(loss=_xent(model, batch, training), weight=weight)
+
+
+def test_evaluation_weighs_examples_as_training_does_negative_weights_too(tmp_path):
+  """Evaluation dropped the losses of negative weights but kept the weights in the divisor."""
+  config = _config()
+  task = NegativeWeights(config)
+  _, trainer, evaluator, _, eval_steps = run.build(config, str(tmp_path), task)
+  result = evaluator.evaluate(tf.constant(eval_steps))
+  out = task.per_example_loss(trainer.model, task.eval_data(), training=False)
+  expected = float(tf.reduce_sum(out.loss * out.weight) / tf.reduce_sum(out.weight))
+  assert result["loss"] == pytest.approx(expected, rel=1e-5)
+  assert result["examples"] == pytest.approx(float(tf.reduce_sum(out.weight)))
+
+
 def test_an_evaluation_that_counted_no_example_fails_in_one_line(tmp_path):
   """It reported loss 0.0 (a perfect model) over 0 examples."""
   with pytest.raises(errors.DataError, match="the evaluation data counted no example"):
     _train(EmptyEvalDataset, tmp_path, mode="train_and_eval")
+
+
+class UnevenLengths(example_tasks.NoMetrics):
+  """Examples of 12 features, and one of 11 (e.g. sequences a user forgot to pad)."""
+
+  def train_data(self):
+    def examples():
+      for i in range(64):
+        yield {"x": np.ones([11 if i == 5 else 12], np.float32), "y": np.int64(i % 2)}
+    signature = {"x": tf.TensorSpec([None], tf.float32), "y": tf.TensorSpec([], tf.int64)}
+    return lambda: tf.data.Dataset.from_generator(examples, output_signature=signature)
 
 
 @pytest.mark.parametrize("task_class,error,message", [
@@ -122,6 +151,8 @@ def test_an_evaluation_that_counted_no_example_fails_in_one_line(tmp_path):
     (TupleDataset, errors.DataError, "tf.data source elements are tuple; expected dicts"),
     (FitStyleArrays, errors.DataError, r"train_data\(\) is a tuple of arrays, \(x, y\)"),
     (EmptyDataset, errors.DataError, "the training data yields no batch"),
+    (UnevenLengths, errors.DataError,
+     r"yields examples of different shapes \(component 0\. First element had shape \[1[12]\]"),
 ])
 def test_contract_breaches_fail_in_one_line(tmp_path, task_class, error, message):
   with pytest.raises(error, match=message):
@@ -158,3 +189,40 @@ def test_mixed_precision_reaches_the_layers_of_a_users_task(tmp_path, policy, co
   config = _config(mixed_precision=policy, mode="train_and_eval")
   result = run.run(config, str(tmp_path / "run"), task=MixedPrecision(config))
   assert result["global_step"] == 2 and np.isfinite(result["eval"]["loss"])
+
+
+class ZeroWeights(example_tasks.NoMetrics):
+  def per_example_loss(self, model, batch, training):
+    return base_task.LossOutput(loss=_xent(model, batch, training),
+                                weight=tf.zeros_like(batch["y"], tf.float32))
+
+
+def test_updates_whose_weights_sum_to_zero_stop_with_that_cause_named(tmp_path):
+  """0/0 is skipped like a divergence; the error named only non-finite loss or gradients."""
+  with pytest.raises(FloatingPointError, match="an update whose weights sum to 0"):
+    _train(ZeroWeights, tmp_path, train_steps=4, max_consecutive_skips=2)
+
+
+class Counter(keras.layers.Layer):
+  """Counts its training calls in a float non-trainable variable (state written in the forward)."""
+
+  def build(self, input_shape):
+    self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+
+  def call(self, x, training=None):
+    if training:
+      self.calls.assign_add(1.0)
+    return x
+
+
+class CountingModel(example_tasks.NoMetrics):
+  def build_model(self):
+    return keras.Sequential([keras.Input((12,)), Counter(), keras.layers.Dense(2)])
+
+
+def test_state_written_k_times_per_update_is_named_in_a_warning(tmp_path, caplog):
+  """A counter or a running mean moves once per micro-step: k times per update, not once."""
+  result = _train(CountingModel, tmp_path, **{"accumulation.steps": 2, "batch_size": 8})
+  assert result["global_step"] == 2
+  warned = [r.getMessage() for r in caplog.records if "once per micro-step" in r.getMessage()]
+  assert len(warned) == 1 and "counter/calls" in warned[0] and "2 times per update" in warned[0]

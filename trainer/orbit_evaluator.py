@@ -36,7 +36,9 @@ class Evaluator(orbit.StandardEvaluator):
     def step(batch):
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
                                                          training=False)
-      counted = weight > 0  # Padding rows may hold anything; they must not poison the sums.
+      # Padding rows (weight 0) may hold anything; they must not poison the sums. Other weights,
+      # negative ones too, count as in training: sum(w * loss) / sum(w).
+      counted = tf.not_equal(weight, 0.0)
       weighted = lambda v: tf.reduce_sum(tf.where(counted, v * weight, 0.0))
       self.sums.assign_add(tf.stack(
           [weighted(loss), tf.reduce_sum(weight)] + [weighted(m) for m in metrics]))
@@ -45,7 +47,7 @@ class Evaluator(orbit.StandardEvaluator):
   def eval_end(self):
     with self.strategy.scope():
       sums = self.sums.read_value().numpy()
-    if not sums[1] > 0:  # A loss of 0 would read as perfect; NaN as diverged.
+    if sums[1] == 0:  # A loss of 0 would read as perfect; NaN as diverged.
       raise errors.DataError(
           "the evaluation data counted no example (total weight 0): the eval source is empty "
           "(e.g. a filter drops every example) or every weight is 0")

@@ -69,6 +69,11 @@ def _gradcache_for(config, task, model, strategy):
                              num_replicas=strategy.num_replicas_in_sync, seed=int(config.seed))
 
 
+# What the skip-limit errors name as the usual causes of a non-finite update.
+_SKIP_CAUSES = ("a diverging loss, a NaN or Inf in the data, or an update whose weights sum to "
+                "0: 0/0")
+
+
 class Trainer(orbit.StandardTrainer):
   """Exact gradient accumulation over SyncOnRead buffers; see the module docstring."""
 
@@ -77,6 +82,7 @@ class Trainer(orbit.StandardTrainer):
     self.config, self.strategy, self.task = config, strategy, task
     self.model, self.optimizer = model, optimizer
     self.accumulation_steps = int(config.accumulation.steps)
+    self._examples_per_update = float(config.batch_size * self.accumulation_steps)
     self.metric_names = ("loss", "weight") + tuple(task.metric_names)
     variables = model.trainable_variables
     self.gradcache = None
@@ -110,6 +116,7 @@ class Trainer(orbit.StandardTrainer):
         extra = self.statistics.num_sums if self.statistics.enabled else 0
         self.buffers = accumulation.GradientBuffers(variables, len(self.metric_names) + extra)
     self._state = replica_state.WriteRecorder(model)
+    self._warned_state_writes = False
     self._sync_state = config.replica_state == "mean"
     self.xla = xla.plan(config, strategy)
     self._micro_step_fn = self.micro_step
@@ -175,8 +182,9 @@ class Trainer(orbit.StandardTrainer):
       objective = loss_sum
       if self.model.losses:  # Regularisers: weighted so that the update sees them exactly once.
         objective += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * weight_sum
-      if self.loss_scale is not None:
-        objective *= self.loss_scale
+      scale = self._gradient_scale()
+      if scale is not None:
+        objective *= scale
     foreign = [] if recording is None else recording.read_outside  # Tied weights, regularisers.
     if recording is None:
       grads = tape.gradient(objective, variables)
@@ -194,10 +202,9 @@ class Trainer(orbit.StandardTrainer):
     if recording is None:
       return grads, scalars, None
     context = dict(active=self.statistics.active(self.global_step), rec=recording,
-                   output_grads=output_grads, loss_scale=self.loss_scale, batch=batch,
-                   losses=loss)
+                   output_grads=output_grads, loss_scale=scale, batch=batch, losses=loss)
     sums, context["terms"] = self.statistics.local_sums(
-        context["active"], recording, output_grads, self.loss_scale, batch, loss,
+        context["active"], recording, output_grads, scale, batch, loss,
         terms_sum_is_gradient=self._gradients_from_statistics and not foreign)
     if foreign and not self._warned_foreign:
       self._warned_foreign = True
@@ -205,10 +212,9 @@ class Trainer(orbit.StandardTrainer):
                       "weights?): the update takes its gradient from the tape",
                       ", ".join(sorted(set(foreign))))
     if self._gradients_from_statistics and not foreign:  # Σ_i g_i of the terms IS the gradient.
-      scale = 1.0 if self.loss_scale is None else self.loss_scale
       batch_sums = context["terms"].batch_sums
       for i in self.statistics.recorder.direct_indices:
-        grads[i] = batch_sums[i] * scale
+        grads[i] = batch_sums[i] if scale is None else batch_sums[i] * scale
     return grads, tf.concat([scalars, sums], axis=0), context
 
   def _recorded_gradients(self, tape, objective, recording):
@@ -248,7 +254,7 @@ class Trainer(orbit.StandardTrainer):
       held_grads, held_scalars = self.buffers.take()
       grads = [h + g for h, g in zip(held_grads, grads)]
       scalars = held_scalars + scalars
-    return self._reduce_and_apply(grads, scalars, context)
+    return self._reduce_and_apply(grads, scalars, context, self._gradient_scale())
 
   def gradcache_update_step(self, *batches):
     """`accumulation.mode=gradcache`: both passes over the k micro-batches, then the update.
@@ -258,13 +264,29 @@ class Trainer(orbit.StandardTrainer):
     scalars = self.gradcache.accumulate(batches, self.buffers, self.global_step,
                                         self.loss_scale)
     grads, held_scalars = self.buffers.take()
-    return self._reduce_and_apply(grads, held_scalars + scalars, None)
+    return self._reduce_and_apply(grads, held_scalars + scalars, None, self.loss_scale)
 
-  def _reduce_and_apply(self, grads, scalars, context):
-    """The update's one all-reduce, normalisation, clipping, state, statistics, apply or skip."""
+  def _gradient_scale(self):
+    """The factor on Σ w·loss under mixed_float16, else None (replica context, traced).
+
+    The loss scale divided by the examples of one update (`batch_size` x k, all replicas): each
+    example's float16 gradient is then as large as under Keras, which scales the mean loss, and
+    the same whatever k, the micro-batch size or the number of replicas. (Scaling the sum made
+    it B times larger: more overflows, skipped updates and a loss scale that depended on B, k
+    and the replicas.) `accumulation.mode=gradcache` scales its own mean loss by the loss scale.
+    """
+    if self.loss_scale is None:
+      return None
+    return self.loss_scale / self._examples_per_update
+
+  def _reduce_and_apply(self, grads, scalars, context, scale):
+    """The update's one all-reduce, normalisation, clipping, state, statistics, apply or skip.
+
+    `scale`: the factor the gradient sums carry (None: none), divided out after the all-reduce.
+    """
     state = self._state.variables if self._sync_state else []
     reduced = update.finalize_gradients(
-        grads, scalars, loss_scale=self.loss_scale,
+        grads, scalars, loss_scale=scale,
         global_clipnorm=float(self.config.optimizer.global_clipnorm),
         state_values=replica_state.local_values(state))
     replica_state.assign_means(state, reduced.state)
@@ -350,11 +372,16 @@ class Trainer(orbit.StandardTrainer):
                  "ETA %ds | lr %.3g | skipped %d", step, self.config.train_steps, output["loss"],
                  shown, steps_per_s, examples_per_s, eta, output["learning_rate"],
                  output["skipped_updates"])
+    if not self._warned_state_writes:  # After the first loop: the step is traced.
+      self._warned_state_writes = True
+      replica_state.warn_repeated_writes(self._state, self.accumulation_steps,
+                                         self.config.batch_size)
     limit = int(self.config.max_consecutive_skips)
     if limit and int(self.consecutive_skips.numpy()) >= limit:
       raise FloatingPointError(
           f"{int(self.consecutive_skips.numpy())} consecutive updates had non-finite loss or "
-          f"gradients (`max_consecutive_skips`={limit}); stopping instead of training on garbage")
+          f"gradients (`max_consecutive_skips`={limit}; {_SKIP_CAUSES}); stopping instead of "
+          "training on garbage")
     self._check_recent_skips(step, output["skipped_updates"])
     return output
 
@@ -375,7 +402,7 @@ class Trainer(orbit.StandardTrainer):
         raise FloatingPointError(
             f"{skipped - first_skipped} of the last {step - first_step} updates had non-finite "
             f"loss or gradients (more than `max_skipped_fraction`={fraction} of "
-            f"`skip_window`={window}); stopping instead of training on garbage")
+            f"`skip_window`={window}; {_SKIP_CAUSES}); stopping instead of training on garbage")
 
   def current_learning_rate(self) -> float:
     """The schedule's value at the current `optimizer.iterations` (eager)."""

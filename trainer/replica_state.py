@@ -17,6 +17,7 @@ Stateful RNN layers keep per-sequence state that must NOT be averaged; set
 """
 import contextlib
 
+from absl import logging
 import keras
 import tensorflow as tf
 
@@ -70,6 +71,19 @@ class WriteRecorder:
   @property
   def variables(self) -> list:
     return [v for v in self._candidates if id(v) in self._written]
+
+
+def warn_repeated_writes(recorder: WriteRecorder, micro_steps: int, micro_batch: int) -> None:
+  """Logs the state the forward pass writes when it runs k > 1 times per update (eager, host,
+  after the first trace): a running mean or a counter then moves k times per update where one
+  batch of k x b would move it once (BatchNorm is refused unless opted in; docs/accumulation.md).
+  """
+  written = [v.path for v in recorder.variables]
+  if micro_steps > 1 and written:
+    logging.warning(
+        "`accumulation.steps`=%d: the forward pass writes %s once per micro-step, %d times per "
+        "update, where one batch of %d would write it once (docs/accumulation.md)",
+        micro_steps, ", ".join(written), micro_steps, micro_steps * micro_batch)
 
 
 def local_values(variables) -> list:

@@ -10,6 +10,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 
 from absl import logging
@@ -76,6 +77,9 @@ def _strict_json(value):
   return clean(value)
 
 
+# TF's error when Dataset.batch meets examples of different shapes.
+_UNEVEN_SHAPES = re.compile(
+    r"component \d+\. First element had shape \[[^\]]*\] and element \d+ had shape \[[^\]]*\]")
 TRAINING_MODES = ("train", "train_and_eval")
 
 
@@ -237,6 +241,15 @@ def _run(config, workdir: str, task) -> dict:
       raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
           "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
           "every example), on this worker at least (its shard)") from None
+    except tf.errors.InvalidArgumentError as e:
+      uneven = _UNEVEN_SHAPES.search(e.message or "")
+      if uneven is None:
+        raise
+      raise errors.DataError(
+          f"a tf.data source yields examples of different shapes ({uneven.group(0)}, in the "
+          "order of the example's sorted keys); examples are batched as they come: pad or crop "
+          "every example to one shape in the source (e.g. with .map), padding tokens weighted 0"
+      ) from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError) as e:
       raise preemption.PeerLostError(
