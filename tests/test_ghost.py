@@ -199,6 +199,10 @@ def test_general_path_variables_are_materialised_or_refused():
                         _oracle(model, batch), path)
   with pytest.raises(ValueError, match="general_path='error'"):
     per_example.ghost_statistics(model, h.xent, batch, general_path="error")
+  with pytest.raises(ValueError, match="general_path='error'") as refused:  # Traced: one line.
+    tf.function(lambda b: per_example.ghost_statistics(model, h.xent, b, general_path="error"))(
+        batch)
+  assert "\n" not in str(refused.value) and "in user code" not in str(refused.value)
   recorder = per_example.Recorder(model)
   with tf.GradientTape() as tape:
     with recorder.record(tape) as rec:

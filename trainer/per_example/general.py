@@ -21,6 +21,7 @@
 Each general-path example runs its own forward pass (batch size 1): random layers draw their own
 masks there. Runs eagerly or traced, in replica or cross-replica context; no communication.
 """
+import logging as pylogging
 import weakref
 
 from absl import logging
@@ -147,7 +148,7 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
   if not variables:
     return []
   if general_path == "error":
-    raise ValueError(refusal([getattr(v, "path", getattr(v, "name", "?")) for v in variables]))
+    raise Refused(refusal([getattr(v, "path", getattr(v, "name", "?")) for v in variables]))
 
   def one_example(example):
     with tf.GradientTape() as tape:
@@ -183,6 +184,11 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
 
   if _chosen_path(model, batch, general_path) == "loop":
     return tf.function(loop)(batch) if tf.executing_eagerly() else loop(batch)
+  tf_logger = tf.get_logger()
+  level = tf_logger.level
+  # pfor logs ~130 lines at ERROR for an op it cannot convert, before raising; the warning below
+  # says it in one line, and the loop then gives the answer.
+  tf_logger.setLevel(pylogging.CRITICAL)
   try:  # In a function of its own: a conversion that fails while tracing leaves no ops in the
     # caller's graph (a failed pfor's stateful leftovers would still run there).
     return tf.function(vectorized, autograph=False)(batch)
@@ -190,6 +196,8 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     if getattr(e, "ag_pass_through", False):  # A refusal: the loop would repeat it.
       raise
     vectorize_error = e
+  finally:
+    tf_logger.setLevel(level)
   # pfor could not convert the function, or the function itself failed (the user's loss, say):
   # TF's traceback filtering hides which. The loop traces the function without pfor: if that
   # fails too, its error is the function's own and is raised as it is.

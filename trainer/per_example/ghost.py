@@ -29,7 +29,8 @@ activations: a layer is materialised when T K O (+ K O kept) is cheaper than T^2
 
 `example_scale` c_i: when the caller's loss is sum_i c_i loss_i (e.g. weights / global count),
 the recorded dz rows are c_i g_i; they are divided by c_i (0 where c_i = 0) so that every
-quantity describes g_i = grad loss_i. General-path gradients are already unscaled.
+quantity describes g_i = grad loss_i. General-path gradients are already unscaled; their rows
+with c_i = 0 are zeroed, so that such an example reports 0 on every variable.
 Eager or traced, replica or cross-replica context; no communication. Call `dots` in the same
 function (trace) as `ghost_norms`: it reuses the recorded tensors.
 """
@@ -318,6 +319,10 @@ def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
         f"({', '.join(v.path for v in recorder.general_variables)}) need `general_grads` from "
         f"`Recorder.general_gradients`; got {len(general_grads)} tensors.")
   dzs = _scaled(output_grads, example_scale)
+  if example_scale is not None and general_grads:  # Rows with c_i = 0 report 0 here too.
+    counted = tf.cast(tf.not_equal(tf.cast(example_scale, tf.float32), 0.0), tf.float32)
+    general_grads = [tf.cast(g, tf.float32) * tf.reshape(counted, [-1] + [1] * (g.shape.rank - 1))
+                     for g in general_grads]
   size = batch_size if rec.batch_size is None else rec.batch_size
   ghost = {i: (rec.terms[i][0], dzs[rec.terms[i][0].output]) for i in rec.ghost_indices()}
   variables = recorder.variables

@@ -140,7 +140,7 @@ class Recorder:
     self.demoted = []  # (layer, why) moved to the general path while recording, in order.
     self._bn_layers = [l for l in all_layers if isinstance(l, _BN_TYPES)]
     if general_path == "error" and self.general_indices:
-      raise ValueError(general.refusal([
+      raise general.Refused(general.refusal([
           f"{variable_name(v)} ({_find(reasons, v, 'not reached through a Keras layer')})"
           for v in self.general_variables]))
 
