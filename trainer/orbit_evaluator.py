@@ -50,7 +50,7 @@ class Evaluator(orbit.StandardEvaluator):
     if sums[1] == 0:  # A loss of 0 would read as perfect; NaN as diverged.
       raise errors.DataError(
           "the evaluation data counted no example (total weight 0): the eval source is empty "
-          "(e.g. a filter drops every example) or every weight is 0")
+          "(e.g. a filter drops every example), every weight is 0, or the weights cancel out")
     weight = float(sums[1])
     output = {"loss": sums[0] / weight, "examples": float(sums[1])}
     for i, name in enumerate(self.task.metric_names):

@@ -12,6 +12,9 @@ replica (`assign_means`): a local write in replica context. Variables nobody wri
 touched, so frozen weights cannot drift by rounding. Variables with aggregation MEAN/SUM/...
 are left to TensorFlow, which synchronises them itself.
 
+With accumulation (k > 1) these writes happen once per micro-step; `warn_repeated_writes` names
+them once (BatchNorm's statistics too, under `accumulation.batchnorm=per_micro_batch`).
+
 Stateful RNN layers keep per-sequence state that must NOT be averaged; set
 `config.replica_state = "local"` for them (the default is "mean").
 """
@@ -76,7 +79,8 @@ class WriteRecorder:
 def warn_repeated_writes(recorder: WriteRecorder, micro_steps: int, micro_batch: int) -> None:
   """Logs the state the forward pass writes when it runs k > 1 times per update (eager, host,
   after the first trace): a running mean or a counter then moves k times per update where one
-  batch of k x b would move it once (BatchNorm is refused unless opted in; docs/accumulation.md).
+  batch of k x b would move it once. BatchNorm's statistics are named too: trainable BatchNorm
+  with k > 1 runs only when opted in (docs/accumulation.md).
   """
   written = [v.path for v in recorder.variables]
   if micro_steps > 1 and written:

@@ -9,11 +9,15 @@
                                         a checkpoint at the end of   (a second Ctrl-C stops at
                                         the loop and exits 42        once, without it)
 
-Once a stop is noted, other signals change nothing: a SIGTERM or a Ctrl-C after a SIGTERM, or a
-SIGTERM after a Ctrl-C, keeps the first one's checkpoint and exit code; only a second Ctrl-C
-overrides a Ctrl-C. Once a stop is raised (`stop()`), both signals change nothing until the
-process ends (`exit_on_stop()` in `trainer.main`): a signal that lands while the process
-unwinds or exits cannot replace the stop's message or turn its exit code into -15 or -2.
+While training, once a stop is noted, a SIGTERM after a Ctrl-C makes it a SIGTERM stop (exit 42,
+which launchers restart: as across workers, `trainer.preemption`), a Ctrl-C after a SIGTERM
+changes nothing, and a second Ctrl-C stops at once, without the checkpoint (when it is handled
+after the first: signals that land within one TensorFlow call, e.g. one Orbit loop, are handled
+together when it returns, SIGINT before SIGTERM, and two Ctrl-C count as one). Before training,
+the first signal handled stops the run. Once a stop is raised (`stop()`), both signals change
+nothing until the process ends (`exit_on_stop()` in `trainer.main`): a signal that lands while
+the process unwinds or exits cannot replace the stop's message or turn its exit code into -15 or
+-2.
 
 Handlers only run Python between bytecodes in the main thread: a signal that arrives inside a
 long TensorFlow call is acted on when that call returns. The checkpoint a stop writes sits on an
@@ -56,8 +60,11 @@ def stop(signum: int, message: str = "") -> StopRequested:
   thread, eager, host). A Python handler that does nothing, rather than SIG_IGN, so that a
   signal already caught but not yet handled meets a handler (CPython reports one that meets
   SIG_IGN as a race); `exit_on_stop()` then ignores them for the exit itself."""
-  for other in _SIGNALS:
-    signal.signal(other, _ignore)
+  try:
+    for other in _SIGNALS:
+      signal.signal(other, _ignore)
+  except ValueError:  # Not the main thread (a library caller's run): its handlers stay.
+    pass
   return StopRequested(signum, message)
 
 
@@ -83,7 +90,7 @@ def _handle(signum, frame):  # pylint: disable=unused-argument
   if not _state["deferred"]:
     raise stop(signum)
   noted = _state["requested"]
-  if noted is None:
+  if noted is None or (signum == signal.SIGTERM and noted == signal.SIGINT):
     _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
   elif signum == signal.SIGINT and noted == signal.SIGINT:
     raise stop(signum, "stopped at once by a second SIGINT: the updates since the last "
@@ -109,8 +116,8 @@ def reinstall() -> None:
 
 @contextlib.contextmanager
 def deferred():
-  """Within the block a first signal is only noted (`requested()`); a second Ctrl-C after a first
-  one stops at once, any other second signal changes nothing."""
+  """Within the block a signal is only noted (`requested()`; a SIGTERM wins over a Ctrl-C); a
+  second Ctrl-C after a first one stops at once."""
   _state["deferred"] += 1
   try:
     yield

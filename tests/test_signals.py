@@ -1,0 +1,101 @@
+"""Two signals, and a stop under way (docs/robustness.md): the second signal changes nothing but
+what the table says it does. `shutdown`'s handler is driven directly with this process' own
+signal actions untouched, and one real trainer gets both signals at once.
+
+Found on 2026-12-03: SIGINT and SIGTERM together before training gave a traceback and exit 1,
+and a Ctrl-C after a SIGTERM while training dropped the SIGTERM's checkpoint.
+"""
+import signal
+import time
+
+import pytest
+
+from test_robustness import _finish  # pylint: disable=g-bad-import-order
+from test_robustness import _popen
+from test_robustness import DETERMINISTIC
+from trainer import exit_codes
+
+
+def test_sigint_and_sigterm_together_stop_once_with_the_first_code(tmp_path):
+  """The second signal lands while the first one's stop unwinds: it changes nothing (it used to
+  raise a second StopRequested out of the handler of the first: a traceback and exit 1)."""
+  proc = _popen(tmp_path, "train_steps=100000", *DETERMINISTIC)
+  _wait_until_handled(proc)  # From the first statement of trainer/main.py, long before training.
+  proc.send_signal(signal.SIGINT)
+  proc.send_signal(signal.SIGTERM)
+  code, err = _finish(proc, timeout=60)
+  assert code == exit_codes.INTERRUPTED_EXIT_CODE, err[-2000:]
+  assert err.strip().splitlines()[-1].startswith("microstep: error: stopped by SIGINT"), err[-2000:]
+  assert "Traceback" not in err
+
+
+def _wait_until_handled(proc, timeout=60):
+  """Waits until the process catches SIGINT and SIGTERM (Linux: SigCgt in /proc/PID/status)."""
+  wanted = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline and proc.poll() is None:
+    with open(f"/proc/{proc.pid}/status") as status:
+      caught = next(int(l.split()[1], 16) for l in status if l.startswith("SigCgt:"))
+    if caught & wanted == wanted:
+      return
+    time.sleep(0.005)
+  raise AssertionError("the trainer never installed its signal handlers")
+
+
+@pytest.fixture
+def handlers(monkeypatch):
+  """`shutdown`'s handler driven directly, with this process' real signal actions untouched:
+  returns {signal: the action `shutdown` set last}."""
+  from trainer import shutdown  # pylint: disable=g-import-not-at-top
+  actions = {}
+  monkeypatch.setattr(signal, "signal", lambda signum, action: actions.__setitem__(signum, action))
+  monkeypatch.setitem(shutdown._state, "requested", None)  # pylint: disable=protected-access
+  monkeypatch.setitem(shutdown._state, "deferred", 0)  # pylint: disable=protected-access
+  return shutdown, actions
+
+
+def test_while_training_a_sigint_after_a_sigterm_keeps_the_sigterm_stop(handlers):
+  shutdown, actions = handlers
+  with shutdown.deferred():
+    shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+    shutdown._handle(signal.SIGINT, None)  # pylint: disable=protected-access
+    shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+  assert shutdown.requested() == signal.SIGTERM  # Checkpoint, then exit 42.
+  assert actions[signal.SIGTERM] == signal.SIG_IGN
+
+
+def test_while_training_a_sigterm_after_a_sigint_makes_it_a_sigterm_stop(handlers):
+  """Exit 42, which launchers restart, as across workers; also what both signals within one
+  Orbit loop give (Python handles SIGINT first)."""
+  shutdown, _ = handlers
+  with shutdown.deferred():
+    shutdown._handle(signal.SIGINT, None)  # pylint: disable=protected-access
+    shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+  assert shutdown.requested() == signal.SIGTERM
+
+
+def test_a_second_ctrl_c_while_training_stops_at_once_and_says_what_is_lost(handlers):
+  shutdown, actions = handlers
+  with shutdown.deferred():
+    shutdown._handle(signal.SIGINT, None)  # pylint: disable=protected-access
+    with pytest.raises(shutdown.StopRequested) as stopped:
+      shutdown._handle(signal.SIGINT, None)  # pylint: disable=protected-access
+  assert stopped.value.exit_code == exit_codes.INTERRUPTED_EXIT_CODE
+  assert "second SIGINT" in str(stopped.value) and "not saved" in str(stopped.value)
+  # From the stop on, neither signal does anything (the process is ending with this code).
+  assert actions[signal.SIGINT] is actions[signal.SIGTERM] is shutdown._ignore  # pylint: disable=protected-access
+
+
+def test_a_signal_before_training_stops_at_once_and_later_signals_change_nothing(handlers):
+  shutdown, actions = handlers
+  with pytest.raises(shutdown.StopRequested) as stopped:
+    shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+  assert stopped.value.exit_code == exit_codes.PREEMPTED_EXIT_CODE
+  assert str(stopped.value) == ("stopped by SIGTERM with nothing unsaved; rerun the same command "
+                                "to continue")
+  assert actions[signal.SIGINT] is actions[signal.SIGTERM] is shutdown._ignore  # pylint: disable=protected-access
+  with pytest.raises(SystemExit) as exited:
+    with shutdown.exit_on_stop():
+      raise stopped.value
+  assert exited.value.code == exit_codes.PREEMPTED_EXIT_CODE
+  assert actions[signal.SIGINT] == actions[signal.SIGTERM] == signal.SIG_IGN
