@@ -4,7 +4,8 @@
 a fixed seed, mapped; it resumes by restoring the input iterator. `NoMetrics` has no metrics and
 dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError.
 `GradientPenalty` differentiates the model inside its loss; `PositionTransformer` adds a
-position Embedding that does not depend on the batch.
+position Embedding that does not depend on the batch. `UnusedHead` has a second output head its
+loss leaves out; `ConstantLoss` never uses the model.
 """
 import keras
 import numpy as np
@@ -81,6 +82,26 @@ class GradientPenalty(NoMetrics):
     penalty = tf.reduce_sum(tf.square(inner.gradient(first, x)), 1)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits)
     return base_task.LossOutput(loss=loss + 0.1 * penalty)
+
+
+class UnusedHead(NoMetrics):
+  """Two heads on one hidden layer; the loss reads only the first (the second gets no gradient)."""
+
+  def build_model(self):
+    inputs = keras.Input((12,))
+    hidden = keras.layers.Dense(16, activation="tanh")(inputs)
+    return keras.Model(inputs, [keras.layers.Dense(2)(hidden),
+                                keras.layers.Dense(3, name="unused_head")(hidden)])
+
+  def per_example_loss(self, model, batch, training):
+    logits, _ = model(batch["x"], training=training)
+    return base_task.LossOutput(loss=tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=batch["y"], logits=logits))
+
+
+class ConstantLoss(NoMetrics):
+  def per_example_loss(self, model, batch, training):
+    return base_task.LossOutput(loss=tf.reduce_sum(tf.square(batch["x"]), axis=1))
 
 
 class BadLoss(NoMetrics):

@@ -97,7 +97,8 @@ def reference_run(config, initial_weights, batches, task=None):
       loss = tf.reduce_sum(loss * weight) / tf.reduce_sum(weight)
     grads = tape.gradient(loss, model.trainable_variables)
     # Dense gradients: Keras clips IndexedSlices by the norm of the slices, not of the gradient.
-    grads = [tf.convert_to_tensor(g) for g in grads]
+    # None (a variable the loss does not reach) stays None: Keras leaves such a variable out.
+    grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
   for batch in batches:

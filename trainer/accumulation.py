@@ -25,6 +25,11 @@ def dense_float32(gradient, variable):
   return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
 
 
+def zeros_for_none(gradients, tensors) -> list:
+  """`gradients` of `tensors` with None replaced by zeros of the tensor's shape and dtype."""
+  return [tf.zeros_like(t) if g is None else g for g, t in zip(gradients, tensors)]
+
+
 class GradientBuffers:
   """Per-replica float32 sums of gradients and of scalars across the micro-steps of one update."""
 

@@ -99,8 +99,11 @@ class GradCache:
     features = {k: v for k, v in batch.items() if k != data.VALID_KEY}
     return self.task.represent(self.model, features, training=True)
 
-  def accumulate(self, batches, buffers, update, loss_scale=None):
+  def accumulate(self, batches, buffers, update, loss_scale=None, reached=None):
     """Both passes over this replica's k micro-batches; adds ∇L's share into `buffers`.
+
+    `reached` (a `trainer.update.ReachedVariables`) learns, while tracing, which variables the
+    loss reaches.
 
     Returns this replica's scalar sums [L, weight, metrics...] (zeros except on replica 0).
     """
@@ -149,8 +152,9 @@ class GradCache:
         reps = self._represent(take(m), update, m, replica)
       grads = tape.gradient([reps[n] for n in differentiable], variables,
                             output_gradients=[tf.cast(mine[n][m], reps[n].dtype)
-                                              for n in differentiable],
-                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
+                                              for n in differentiable])
+      if reached is not None:
+        reached.note(grads)
       buffers.add([accumulation.dense_float32(g, v) for g, v in zip(grads, variables)], zeros)
 
     first_replica = tf.cast(tf.equal(replica, 0), tf.float32)

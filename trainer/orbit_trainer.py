@@ -131,6 +131,8 @@ class Trainer(orbit.StandardTrainer):
     self._gradients_from_statistics = (self.statistics.enabled and self.statistics.every == 1
                                        and not model.losses)
     self._warned_foreign = False
+    loss_name = type(task).__name__ + (".batch_loss" if self.gradcache else ".per_example_loss")
+    self.reached = update.ReachedVariables(loss_name)  # Filled while tracing.
     self.gradients_from_statistics_traced = False  # Set while tracing, for tests.
     # The update step needs the statistics' recorded tensors after its all-reduce: with
     # statistics on, its local part is not a separate (compiled) function.
@@ -188,15 +190,16 @@ class Trainer(orbit.StandardTrainer):
     foreign = [] if recording is None else recording.read_outside  # Tied weights, regularisers.
     if recording is None:
       grads = tape.gradient(objective, variables)
-      grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
+      self.reached.note(grads)
     elif self._gradients_from_statistics and not foreign:
-      grads, output_grads = self._recorded_gradients(tape, objective, recording)
+      grads, output_grads = self.statistics.recorded_gradients(tape, objective, recording,
+                                                               self.reached)
       self.gradients_from_statistics_traced = True
     else:  # ONE backward pass for the update and the per-example statistics.
-      grads, output_grads = tape.gradient(
-          objective, (variables, recording.outputs),
-          unconnected_gradients=tf.UnconnectedGradients.ZERO)
-      grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
+      grads, output_grads = tape.gradient(objective, (variables, recording.outputs))
+      self.reached.note(grads)
+      output_grads = accumulation.zeros_for_none(output_grads, recording.outputs)
+    grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
     metric_sums = [tf.reduce_sum(m * weight) for m in metrics]
     scalars = tf.stack([loss_sum, weight_sum] + metric_sums)
     if recording is None:
@@ -216,24 +219,6 @@ class Trainer(orbit.StandardTrainer):
       for i in self.statistics.recorder.direct_indices:
         grads[i] = batch_sums[i] if scale is None else batch_sums[i] * scale
     return grads, tf.concat([scalars, sums], axis=0), context
-
-  def _recorded_gradients(self, tape, objective, recording):
-    """The backward pass when every update computes per-example statistics (replica context).
-
-    Only the recorded layers' outputs and the general-path variables are differentiated: the
-    gradient of a recorded layer's variables is the sum of its per-example terms, which the
-    statistics compute anyway, so TensorFlow's own kernel gradients (e.g. Conv2DBackpropFilter)
-    are not run a second time. Returns (grads with None for recorded variables, output grads).
-    """
-    variables = self.model.trainable_variables
-    general = self.statistics.recorder.general_indices
-    general_grads, output_grads = tape.gradient(
-        objective, ([variables[i] for i in general], recording.outputs),
-        unconnected_gradients=tf.UnconnectedGradients.ZERO)
-    grads = [None] * len(variables)
-    for i, g in zip(general, general_grads):
-      grads[i] = accumulation.dense_float32(g, variables[i])
-    return grads, output_grads
 
   def micro_step(self, batch):
     """Adds this replica's sums into its SyncOnRead buffers (replica context, local only)."""
@@ -262,7 +247,7 @@ class Trainer(orbit.StandardTrainer):
     Replica context; `batches` are this replica's k micro-batches (`trainer.gradcache`).
     """
     scalars = self.gradcache.accumulate(batches, self.buffers, self.global_step,
-                                        self.loss_scale)
+                                        self.loss_scale, reached=self.reached)
     grads, held_scalars = self.buffers.take()
     return self._reduce_and_apply(grads, held_scalars + scalars, None, self.loss_scale)
 
@@ -298,8 +283,9 @@ class Trainer(orbit.StandardTrainer):
           context["active"], reduced.grads, context["terms"], context["rec"],
           context["output_grads"], context["loss_scale"], context["batch"], context["losses"])
       gathered = tf.distribute.get_replica_context().all_gather(norms_and_cosines, axis=0)
-    applied = update.apply_or_skip(self.optimizer, reduced.grads,
-                                   self.model.trainable_variables, reduced.finite)
+    applied = update.apply_or_skip(
+        self.optimizer, *self.reached.select(reduced.grads, self.model.trainable_variables),
+        reduced.finite)
     optimizers.check_keras_all_reduce_skipped(self.optimizer)  # At trace time.
     if context is None:
       return outputs + (applied,)

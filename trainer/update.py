@@ -15,6 +15,8 @@ Everything here runs traced, in REPLICA context (inside `strategy.run`), on ever
                          crosses devices, and the same code runs inside TPU's `tpu.replicate`.
                          Strategies that run without merge_call (XLA on GPUs) take the cond in
                          replica context directly.
+    ReachedVariables     which variables the loss reaches (trace time): the optimizer gets only
+                         those, as in Keras' `fit` (an unreached head is not weight-decayed).
 
 Keras 3 optimizers SUM-all-reduce gradients themselves when applied in replica context
 (`_all_reduce_sum_gradients`); `trainer.optimizers.skip_keras_all_reduce` turns that off, so the
@@ -22,8 +24,11 @@ packed all-reduce stays the only one.
 """
 import dataclasses
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
+
+from trainer import errors
 
 
 def pack(tensors) -> tf.Tensor:
@@ -88,6 +93,47 @@ def finalize_gradients(grad_sums, scalar_sums, *, loss_scale=None, global_clipno
   if global_clipnorm:
     grads, _ = tf.clip_by_global_norm(grads, global_clipnorm, use_norm=norm)
   return ReducedUpdate(grads=grads, scalars=scalars, grad_norm=norm, finite=finite, state=state)
+
+
+class ReachedVariables:
+  """Which trainable variables the loss reaches, learned while tracing (Python, trace time).
+
+  The backward pass gives None for a variable the loss does not depend on (an output head the
+  loss leaves out, a layer it never calls). Accumulation keeps zeros for it, but the optimizer
+  never sees it, as in Keras' `fit`: no weight decay, no slot update. `note` is called with the
+  None-ness of every backward pass that feeds the update (a variable is reached if any does);
+  `select` filters the update's (gradient, variable) pairs and raises when nothing is left.
+  """
+
+  def __init__(self, loss_name: str = "the loss"):
+    self.loss_name = loss_name
+    self.reached = None  # A tuple of bools, one per trainable variable, once traced.
+    self._warned = False
+
+  def note(self, grads) -> None:
+    """Records which of `grads` (one per variable, None where unreached) exist; trace time."""
+    flags = tuple(g is not None for g in grads)
+    if self.reached is None or len(self.reached) != len(flags):  # (Re)traced for a new model.
+      self.reached = flags
+    else:
+      self.reached = tuple(a or b for a, b in zip(self.reached, flags))
+
+  def select(self, grads, variables):
+    """(grads, variables) of the reached variables only; all of them before any `note`."""
+    grads, variables = list(grads), list(variables)
+    if self.reached is None or len(self.reached) != len(variables) or all(self.reached):
+      return grads, variables
+    if not any(self.reached):
+      raise errors.TaskError(f"{self.loss_name} reaches no trainable variable of the model "
+                             "(every gradient is None): it must depend on the model's outputs")
+    if not self._warned:
+      self._warned = True
+      missing = [getattr(v, "path", v.name) for v, r in zip(variables, self.reached) if not r]
+      logging.warning("%d of %d trainable variables get no gradient from the loss and are left "
+                      "unchanged (no weight decay), as in Keras' fit: %s", len(missing),
+                      len(variables), ", ".join(missing))
+    kept = [i for i, r in enumerate(self.reached) if r]
+    return [grads[i] for i in kept], [variables[i] for i in kept]
 
 
 def apply_or_skip(optimizer, grads, variables, finite) -> tf.Tensor:

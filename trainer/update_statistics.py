@@ -38,6 +38,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from trainer import accumulation
 from trainer import base_task
 from trainer import errors
 from trainer import per_example
@@ -110,6 +111,29 @@ class UpdateStatistics:
     except per_example.Refused as e:
       raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {e.reason}; set it to "
                                "0 for this model") from None
+
+  def recorded_gradients(self, tape, objective, recording, reached):
+    """The backward pass when every update computes per-example statistics (replica context).
+
+    Only the recorded layers' outputs and the general-path variables are differentiated: the
+    gradient of a recorded layer's variables is the sum of its per-example terms, which the
+    statistics compute anyway, so TensorFlow's own kernel gradients (e.g. Conv2DBackpropFilter)
+    are not run a second time. A recorded variable is reached by the loss when one of its
+    terms' outputs is; `reached` (`trainer.update.ReachedVariables`) learns which are. Returns
+    (grads: None for recorded variables and unreached ones, output grads with zeros for None).
+    """
+    variables = self.recorder.variables
+    general = self.recorder.general_indices
+    general_grads, output_grads = tape.gradient(
+        objective, ([variables[i] for i in general], recording.outputs))
+    grads = [None] * len(variables)
+    for i, g in zip(general, general_grads):
+      grads[i] = g
+    found = [g is not None for g in grads]
+    for i, terms in recording.terms.items():
+      found[i] = any(output_grads[term.output] is not None for term in terms)
+    reached.note([0.0 if f else None for f in found])
+    return grads, accumulation.zeros_for_none(output_grads, recording.outputs)
 
   def active(self, global_step):
     """Whether this update writes statistics (a bool tensor)."""
