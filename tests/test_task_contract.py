@@ -74,6 +74,10 @@ class NotAModel(example_tasks.NoMetrics):
     return lambda x: x
 
 
+class MetricNamedLoss(example_tasks.NoMetrics):
+  metric_names = ("loss",)  # Would overwrite the reported loss.
+
+
 class NoTrainingArgument(example_tasks.NoMetrics):
   def per_example_loss(self, model, batch):  # pylint: disable=arguments-differ
     return base_task.LossOutput(loss=_xent(model, batch, False))
@@ -120,7 +124,8 @@ def test_evaluation_weighs_examples_as_training_does_negative_weights_too(tmp_pa
   out = task.per_example_loss(trainer.model, task.eval_data(), training=False)
   expected = float(tf.reduce_sum(out.loss * out.weight) / tf.reduce_sum(out.weight))
   assert result["loss"] == pytest.approx(expected, rel=1e-5)
-  assert result["examples"] == pytest.approx(float(tf.reduce_sum(out.weight)))
+  assert result["weight"] == pytest.approx(float(tf.reduce_sum(out.weight)))
+  assert result["examples"] == 40.0  # Every row counts (negative weights too); not the weight sum.
 
 
 def test_an_evaluation_that_counted_no_example_fails_in_one_line(tmp_path):
@@ -146,6 +151,8 @@ class UnevenLengths(example_tasks.NoMetrics):
     (PerTokenMetric, errors.TaskError, "metric 'error' has 32 values for a batch of 16"),
     (NotBuilt, errors.TaskError, "build_model returned a model with no variables yet"),
     (NotAModel, errors.TaskError, "build_model returned function; expected a keras.Model"),
+    (MetricNamedLoss, errors.TaskError,
+     r"metric_names \['loss'\]: names must be distinct and not one of loss, weight, examples"),
     (NoTrainingArgument, errors.TaskError,
      r"per_example_loss cannot be called as \(model, batch, training=...\)"),
     (TupleDataset, errors.DataError, "tf.data source elements are tuple; expected dicts"),

@@ -241,14 +241,24 @@ def _check_per_example(what: str, value, valid) -> None:
                            "expected one per example [B] (e.g. not one per token)")
 
 
+# Names microstep reports beside a task's metrics (training logs, evaluation results).
+RESERVED_METRIC_NAMES = ("loss", "weight", "examples")
+
+
 def check_contract(task, model) -> None:
   """Eager, host, once per run: what can be checked of a task before any step runs.
 
   Raises TaskError (one line) when `build_model()` did not return a Keras model, returned one
-  with no variables yet (a subclassed Model gets them at its first call), or when
-  `per_example_loss` cannot be called as (model, batch, training=...).
+  with no variables yet (a subclassed Model gets them at its first call), when a metric name
+  is one microstep reports itself, or when `per_example_loss` cannot be called as (model,
+  batch, training=...).
   """
   name = type(task).__name__
+  taken = sorted(set(task.metric_names) & set(RESERVED_METRIC_NAMES))
+  if taken or len(set(task.metric_names)) != len(task.metric_names):
+    raise errors.TaskError(
+        f"{name}.metric_names {list(task.metric_names)}: names must be distinct and not one of "
+        f"{', '.join(RESERVED_METRIC_NAMES)} (microstep reports those itself)")
   if not isinstance(model, keras.Model):
     raise errors.TaskError(f"{name}.build_model returned {type(model).__name__}; expected a "
                            "keras.Model")

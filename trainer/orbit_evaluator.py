@@ -2,7 +2,8 @@
 
     evaluator.evaluate(num_steps)       # orbit.StandardEvaluator
       eval_begin()                      # eager: zero the sums on every replica
-      eval_step(iterator) x num_steps   # traced; replica context adds local Σ w·loss, Σ w, Σ w·metric
+      eval_step(iterator) x num_steps   # traced; replica context adds local Σ w·loss, Σ w, the
+                                        # count of examples of nonzero weight, Σ w·metric
       eval_end()                        # eager: one cross-replica read (SUM), then ratios
 Padding examples of the last batch carry weight 0, so the whole split counts exactly once.
 A tf.data source without a known length is evaluated until it is exhausted (`num_steps=-1`).
@@ -22,7 +23,7 @@ class Evaluator(orbit.StandardEvaluator):
     self.strategy, self.task, self.model = strategy, task, model
     with strategy.scope():
       self.sums = tf.Variable(
-          tf.zeros([2 + len(task.metric_names)]), trainable=False, name="eval_sums",
+          tf.zeros([3 + len(task.metric_names)]), trainable=False, name="eval_sums",
           synchronization=tf.VariableSynchronization.ON_READ,
           aggregation=tf.VariableAggregation.SUM)
     super().__init__(eval_dataset, options=orbit.StandardEvaluatorOptions(use_tf_function=True))
@@ -40,8 +41,9 @@ class Evaluator(orbit.StandardEvaluator):
       # negative ones too, count as in training: sum(w * loss) / sum(w).
       counted = tf.not_equal(weight, 0.0)
       weighted = lambda v: tf.reduce_sum(tf.where(counted, v * weight, 0.0))
+      count = tf.reduce_sum(tf.cast(counted, tf.float32))
       self.sums.assign_add(tf.stack(
-          [weighted(loss), tf.reduce_sum(weight)] + [weighted(m) for m in metrics]))
+          [weighted(loss), tf.reduce_sum(weight), count] + [weighted(m) for m in metrics]))
     self.strategy.run(step, args=(next(iterator),))
 
   def eval_end(self):
@@ -52,7 +54,8 @@ class Evaluator(orbit.StandardEvaluator):
           "the evaluation data counted no example (total weight 0): the eval source is empty "
           "(e.g. a filter drops every example), every weight is 0, or the weights cancel out")
     weight = float(sums[1])
-    output = {"loss": sums[0] / weight, "examples": float(sums[1])}
+    # `examples` counts the rows that count (nonzero weight); `weight` is what divides.
+    output = {"loss": sums[0] / weight, "examples": float(sums[2]), "weight": weight}
     for i, name in enumerate(self.task.metric_names):
-      output[name] = sums[2 + i] / weight
+      output[name] = sums[3 + i] / weight
     return output
