@@ -2,7 +2,8 @@
 
 `Streamed` reads through a tf.data factory (the streaming path): generated features, shuffled with
 a fixed seed, mapped; it resumes by restoring the input iterator. `NoMetrics` has no metrics and
-dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError.
+dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError;
+`LabelsOutOfRange` and `IdsOutOfVocabulary` hold values their model's kernels reject.
 `GradientPenalty` differentiates the model inside its loss; `PositionTransformer` adds a
 position Embedding that does not depend on the batch. `UnusedHead` has a second output head its
 loss leaves out; `ConstantLoss` never uses the model.
@@ -107,6 +108,31 @@ class ConstantLoss(NoMetrics):
 class BadLoss(NoMetrics):
   def per_example_loss(self, model, batch, training):
     return base_task.LossOutput(loss=_xent(model, batch, training)[0][:, None])
+
+
+class LabelsOutOfRange(NoMetrics):
+  """Labels 5 for a two-class model in every seventh example: TF's kernel rejects the batch."""
+
+  def train_data(self):
+    arrays = _arrays(200, 1)
+    arrays["y"][5::7] = 5
+    return arrays
+
+
+class IdsOutOfVocabulary(NoMetrics):
+  """Token ids up to 60 into an Embedding(50, 4)."""
+
+  def build_model(self):
+    tokens = keras.Input((4,), dtype="int32")
+    pooled = keras.layers.GlobalAveragePooling1D()(keras.layers.Embedding(50, 4)(tokens))
+    return keras.Model(tokens, keras.layers.Dense(2)(pooled))
+
+  def train_data(self):
+    tokens = np.random.RandomState(0).randint(0, 61, (200, 4)).astype(np.int32)
+    return {"x": tokens, "y": (tokens[:, 0] > 25).astype(np.int64)}
+
+  def eval_data(self):
+    return None
 
 
 class BadData(NoMetrics):

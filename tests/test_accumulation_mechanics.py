@@ -1,8 +1,10 @@
 """Where accumulation communicates, what it keeps local, and how it skips (issue 3)."""
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import example_tasks
 import helpers
 from trainer import base_task
 from trainer import collectives
@@ -148,6 +150,41 @@ def test_batchnorm_statistics_drift_apart_when_left_local(tmp_path):
   trainer.train(tf.constant(3))
   differ = _replica_copies_differ(strategy, trainer.model)
   assert differ and all("moving" in path for path in differ), differ
+
+
+class _Counting(keras.layers.Layer):
+  """Counts its training calls in a float variable and the examples seen in an int one."""
+
+  def build(self, input_shape):
+    self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+    self.seen = self.add_weight(shape=(), initializer="zeros", dtype="int32", trainable=False,
+                                name="seen")
+
+  def call(self, x, training=None):
+    if training:
+      self.calls.assign_add(1.0)
+      self.seen.assign_add(tf.shape(x)[0])
+    return x
+
+
+class _CountingTask(example_tasks.NoMetrics):
+  def build_model(self):
+    inputs = keras.Input((12,))
+    return keras.Model(inputs, keras.layers.Dense(2)(_Counting(name="counting")(inputs)))
+
+
+def test_integer_state_is_kept_per_replica_and_named(tmp_path, caplog):
+  """Float state is averaged; an int counter is not (each replica keeps its own) and the first
+  loop's warning names it beside the float one (it named only floats)."""
+  config = _mirrored_config(**{"accumulation.steps": 2, "train_steps": 2})
+  strategy, trainer = helpers.build(config, tmp_path, _CountingTask(config))
+  with caplog.at_level("WARNING"):
+    trainer.train(tf.constant(2))
+  layer = trainer.model.get_layer("counting")
+  assert helpers.local_values(strategy, layer.calls) == [4.0, 4.0]  # 2 updates x k=2, averaged.
+  assert helpers.local_values(strategy, layer.seen) == [32, 32]  # 4 micro-batches of 8, each.
+  assert "writes the integer state counting/seen, which is not averaged" in caplog.text
+  assert "writes counting/calls, counting/seen once per micro-step" in caplog.text
 
 
 def test_frozen_weights_are_not_averaged(tmp_path):

@@ -69,6 +69,26 @@ class NotBuilt(example_tasks.NoMetrics):
     return _Subclassed()  # No variables until its first call.
 
 
+class TrainingOnlyBranch(keras.Model):
+  """A subclassed model whose `aux` layer runs only when training (built at its first call)."""
+
+  def __init__(self):
+    super().__init__()
+    self.hidden, self.aux, self.out = (keras.layers.Dense(8, activation="tanh"),
+                                       keras.layers.Dense(8, name="aux"), keras.layers.Dense(2))
+
+  def call(self, x, training=None):
+    h = self.hidden(x)
+    return self.out(h + 0.5 * self.aux(x) if training else h)
+
+
+class BuiltForInferenceOnly(example_tasks.NoMetrics):
+  def build_model(self):
+    model = TrainingOnlyBranch()
+    model(np.zeros([1, 12], np.float32))  # Builds hidden and out; aux waits for training.
+    return model
+
+
 class NotAModel(example_tasks.NoMetrics):
   def build_model(self):
     return lambda x: x
@@ -151,6 +171,9 @@ class UnevenLengths(example_tasks.NoMetrics):
     (PerTokenMetric, errors.TaskError, "metric 'error' has 32 values for a batch of 16"),
     (NotBuilt, errors.TaskError, "build_model returned a model with no variables yet"),
     (NotAModel, errors.TaskError, "build_model returned function; expected a keras.Model"),
+    (BuiltForInferenceOnly, errors.TaskError, "BuiltForInferenceOnly.build_model: the model "
+     r"created \S*aux/kernel, \S*aux/bias in its first training call; call it once with "
+     "training=True"),
     (MetricNamedLoss, errors.TaskError,
      r"metric_names \['loss'\]: names must be distinct and not one of loss, weight, examples"),
     (NoTrainingArgument, errors.TaskError,

@@ -103,6 +103,11 @@ def test_trainer_train_takes_a_task_instance(tmp_path):
     ("example_tasks:Missing", 2, "module 'example_tasks' has no 'Missing'"),
     ("no_such_module:Task", 2, "cannot import 'no_such_module'"),
     ("nonsense", 2, "`task`='nonsense' unknown; allowed: classification, triplet"),
+    ("example_tasks:LabelsOutOfRange", 2, "TensorFlow rejected a batch at SparseSoftmaxCross"
+     "EntropyWithLogits/SparseSoftmaxCrossEntropyWithLogits: Received a label value of 5 which "
+     "is outside the valid range of [0, 2)."),
+    ("example_tasks:IdsOutOfVocabulary", 2, "embedding_1/GatherV2: indices[1,0] = 51 is not in "
+     "[0, 50) (the data's values do not fit the model or the loss"),
 ])
 def test_task_errors_are_one_line_with_exit_2(tmp_path, task, code, message):
   out = helpers.run_cli(tmp_path, "configs/fashion_mnist.py:smoke", f"task={task}", timeout=120)

@@ -76,7 +76,8 @@ class LossOutput:
 
   Attributes:
     loss: [B] per-example losses (any float dtype; summed in float32).
-    weight: [B] per-example weights, or None for ones. 0 drops an example.
+    weight: [B] per-example weights, or None for ones. 0 drops an example from the sums (its
+      loss must still be finite in training: 0 x NaN is NaN).
     metrics: name -> [B] per-example values, one entry per name in `Task.metric_names`.
   """
   loss: Any
@@ -239,6 +240,22 @@ def _check_per_example(what: str, value, valid) -> None:
   if length is not None and batch is not None and length != batch:
     raise errors.TaskError(f"{what} has {length} values for a batch of {batch} examples; "
                            "expected one per example [B] (e.g. not one per token)")
+
+
+def check_no_new_variables(task, model, known_ids) -> None:
+  """Trace time, after a training forward: the model created no trainable variable (one the
+  optimizer, the accumulation buffers and the checkpoint would not know). Raises TaskError.
+
+  A subclassed model builds a layer at its first call, so a layer used only when `training` is
+  true gets its variables in the first training step unless `build_model` calls it that way.
+  """
+  created = [getattr(v, "path", v.name) for v in model.trainable_variables
+             if id(v) not in known_ids]
+  if created:
+    raise errors.TaskError(
+        f"{type(task).__name__}.build_model: the model created {', '.join(created)} in its "
+        "first training call; call it once with training=True inside build_model (layers of a "
+        "subclassed model are built at their first call)")
 
 
 # Names microstep reports beside a task's metrics (training logs, evaluation results).

@@ -133,6 +133,7 @@ class Trainer(orbit.StandardTrainer):
     self._warned_foreign = False
     loss_name = type(task).__name__ + (".batch_loss" if self.gradcache else ".per_example_loss")
     self.reached = update.ReachedVariables(loss_name)  # Filled while tracing.
+    self._built_variable_ids = {id(v) for v in variables}
     self.gradients_from_statistics_traced = False  # Set while tracing, for tests.
     # The update step needs the statistics' recorded tensors after its all-reduce: with
     # statistics on, its local part is not a separate (compiled) function.
@@ -187,6 +188,7 @@ class Trainer(orbit.StandardTrainer):
       scale = self._gradient_scale()
       if scale is not None:
         objective *= scale
+    base_task.check_no_new_variables(self.task, self.model, self._built_variable_ids)
     foreign = [] if recording is None else recording.read_outside  # Tied weights, regularisers.
     if recording is None:
       grads = tape.gradient(objective, variables)
@@ -248,6 +250,7 @@ class Trainer(orbit.StandardTrainer):
     """
     scalars = self.gradcache.accumulate(batches, self.buffers, self.global_step,
                                         self.loss_scale, reached=self.reached)
+    base_task.check_no_new_variables(self.task, self.model, self._built_variable_ids)
     grads, held_scalars = self.buffers.take()
     return self._reduce_and_apply(grads, held_scalars + scalars, None, self.loss_scale)
 
@@ -360,8 +363,8 @@ class Trainer(orbit.StandardTrainer):
                  output["skipped_updates"])
     if not self._warned_state_writes:  # After the first loop: the step is traced.
       self._warned_state_writes = True
-      replica_state.warn_repeated_writes(self._state, self.accumulation_steps,
-                                         self.config.batch_size)
+      replica_state.warn_state_writes(self._state, self.accumulation_steps,
+                                      self.config.batch_size, self.strategy.num_replicas_in_sync)
     limit = int(self.config.max_consecutive_skips)
     if limit and int(self.consecutive_skips.numpy()) >= limit:
       raise FloatingPointError(

@@ -12,8 +12,9 @@ replica (`assign_means`): a local write in replica context. Variables nobody wri
 touched, so frozen weights cannot drift by rounding. Variables with aggregation MEAN/SUM/...
 are left to TensorFlow, which synchronises them itself.
 
-With accumulation (k > 1) these writes happen once per micro-step; `warn_repeated_writes` names
-them once (BatchNorm's statistics too, under `accumulation.batchnorm=per_micro_batch`).
+With accumulation (k > 1) these writes happen once per micro-step; `warn_state_writes` names
+them once (BatchNorm's statistics too, under `accumulation.batchnorm=per_micro_batch`). Integer
+state (a counter) is never averaged: each replica keeps its own, and the same warning names it.
 
 Stateful RNN layers keep per-sequence state that must NOT be averaged; set
 `config.replica_state = "local"` for them (the default is "mean").
@@ -25,14 +26,16 @@ import keras
 import tensorflow as tf
 
 
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+
+
 def _writable_state(model) -> list:
-  """Float non-trainable model variables with aggregation NONE (eager or traced)."""
+  """Non-trainable model variables with aggregation NONE (eager or traced)."""
   out = []
   for var in model.non_trainable_variables:
     backing = getattr(var, "value", var)
     aggregation = getattr(backing, "aggregation", tf.VariableAggregation.NONE)
-    if var.dtype in ("float16", "bfloat16", "float32", "float64") and (
-        aggregation == tf.VariableAggregation.NONE):
+    if aggregation == tf.VariableAggregation.NONE:
       out.append(var)
   return out
 
@@ -42,7 +45,8 @@ class WriteRecorder:
 
   `with recorder.watching(): forward...` patches `keras.Variable.assign` (through which
   `assign_add`/`assign_sub` also go) for the duration of the Python call only, so it acts while
-  tracing and costs nothing at run time. `variables` lists what was seen, in `model` order.
+  tracing and costs nothing at run time. `variables` lists the float ones seen, in `model`
+  order (those are averaged); `integers` the others (counters: never averaged).
   """
 
   def __init__(self, model):
@@ -73,16 +77,28 @@ class WriteRecorder:
 
   @property
   def variables(self) -> list:
-    return [v for v in self._candidates if id(v) in self._written]
+    return [v for v in self._candidates if id(v) in self._written and v.dtype in _FLOATS]
+
+  @property
+  def integers(self) -> list:
+    return [v for v in self._candidates if id(v) in self._written and v.dtype not in _FLOATS]
 
 
-def warn_repeated_writes(recorder: WriteRecorder, micro_steps: int, micro_batch: int) -> None:
+def warn_state_writes(recorder: WriteRecorder, micro_steps: int, micro_batch: int,
+                      replicas: int) -> None:
   """Logs the state the forward pass writes when it runs k > 1 times per update (eager, host,
   after the first trace): a running mean or a counter then moves k times per update where one
   batch of k x b would move it once. BatchNorm's statistics are named too: trainable BatchNorm
-  with k > 1 runs only when opted in (docs/accumulation.md).
+  with k > 1 runs only when opted in (docs/accumulation.md). With several replicas, integer
+  state is named as well: it is not averaged, so each replica keeps its own count.
   """
-  written = [v.path for v in recorder.variables]
+  integers = [v.path for v in recorder.integers]
+  if replicas > 1 and integers:
+    logging.warning(
+        "%d replicas: the forward pass writes the integer state %s, which is not averaged "
+        "across replicas: each keeps its own value, and checkpoints hold the first replica's "
+        "(docs/tasks.md)", replicas, ", ".join(integers))
+  written = [v.path for v in recorder.variables + recorder.integers]
   if micro_steps > 1 and written:
     logging.warning(
         "`accumulation.steps`=%d: the forward pass writes %s once per micro-step, %d times per "

@@ -83,6 +83,20 @@ _UNEVEN_SHAPES = re.compile(
 TRAINING_MODES = ("train", "train_and_eval")
 
 
+def _rejected_batch(message: str) -> str:
+  """One line from a TensorFlow op error raised by a step (a label outside the classes, an id
+  outside an Embedding's vocabulary): the node and what it said, without TF's stack."""
+  node = re.search(r"Detected at node '?([^'\s]+)", message)
+  said = [line for line in message.splitlines() if line.strip() and not line[0].isspace()
+          and not line.startswith(("Graph execution error", "Detected at node"))]
+  text = (said[-1] if said else message.strip().splitlines()[-1]).strip()
+  if len(text) > 240:
+    text = text[:240] + " ..."
+  where = f" at {node.group(1)}" if node else ""
+  return (f"TensorFlow rejected a batch{where}: {text} (the data's values do not fit the model "
+          "or the loss: e.g. labels outside the classes, token ids outside the vocabulary)")
+
+
 @contextlib.contextmanager
 def _dtype_policy(name: str):
   """Keras' global dtype policy is `name` (`config.mixed_precision`) while the task builds its
@@ -244,7 +258,7 @@ def _run(config, workdir: str, task) -> dict:
     except tf.errors.InvalidArgumentError as e:
       uneven = _UNEVEN_SHAPES.search(e.message or "")
       if uneven is None:
-        raise
+        raise errors.DataError(_rejected_batch(e.message or str(e))) from None
       raise errors.DataError(
           f"a tf.data source yields examples of different shapes ({uneven.group(0)}, in the "
           "order of the example's sorted keys); examples are batched as they come: pad or crop "

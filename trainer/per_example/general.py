@@ -32,6 +32,7 @@ from trainer.per_example import kernels
 
 PATHS = ("vectorized_map", "loop", "error")
 _WARNED = weakref.WeakSet()  # Models whose pfor crash was logged (once per process).
+_VECTORIZE_WARNED = weakref.WeakKeyDictionary()  # Model -> the failed-pfor lines logged for it.
 
 
 class Refused(ValueError):
@@ -203,7 +204,10 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
   # fails too, its error is the function's own and is raised as it is.
   stacked = tf.function(loop)(batch)
   last = (str(vectorize_error).strip().splitlines() or [""])[-1][:300]
-  logging.warning("per_example: tf.vectorized_map could not vectorize the general path "
-                  "(%s: %s); ran general_path='loop' instead", type(vectorize_error).__name__,
-                  last)
+  said = f"{type(vectorize_error).__name__}: {last}"
+  logged = _VECTORIZE_WARNED.setdefault(model, set())
+  if said not in logged:  # Once per model and cause, however often it is traced (per replica).
+    logged.add(said)
+    logging.warning("per_example: tf.vectorized_map could not vectorize the general path (%s); "
+                    "ran general_path='loop' instead", said)
   return stacked
