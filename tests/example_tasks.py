@@ -3,7 +3,8 @@
 `Streamed` reads through a tf.data factory (the streaming path): generated features, shuffled with
 a fixed seed, mapped; it resumes by restoring the input iterator. `NoMetrics` has no metrics and
 dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError;
-`LabelsOutOfRange` and `IdsOutOfVocabulary` hold values their model's kernels reject.
+`LabelsOutOfRange` and `IdsOutOfVocabulary` hold values their model's kernels reject;
+`MaskedLoss` returns fewer losses than examples.
 `GradientPenalty` differentiates the model inside its loss; `PositionTransformer` adds a
 position Embedding that does not depend on the batch. `UnusedHead` has a second output head its
 loss leaves out; `ConstantLoss` never uses the model.
@@ -117,6 +118,14 @@ class LabelsOutOfRange(NoMetrics):
     arrays = _arrays(200, 1)
     arrays["y"][5::7] = 5
     return arrays
+
+
+class MaskedLoss(NoMetrics):
+  """Leaves examples out with tf.boolean_mask (fewer losses than examples, length unknown)."""
+
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, batch, training)[0]
+    return base_task.LossOutput(loss=tf.boolean_mask(loss, batch["x"][:, 0] <= 1.0))
 
 
 class IdsOutOfVocabulary(NoMetrics):

@@ -211,7 +211,7 @@ def weighted_outputs(task, model, batch: dict, training: bool):
   if loss.shape.rank != 1:
     raise errors.TaskError(f"{name}.per_example_loss: loss has shape {loss.shape}; expected one "
                            "value per example [B] (never a mean)")
-  _check_per_example(f"{name}.per_example_loss: loss", loss, valid)
+  loss = _check_per_example(f"{name}.per_example_loss: loss", loss, valid)
   weight = valid
   if out.weight is not None:
     weight = tf.cast(out.weight, tf.float32)
@@ -220,26 +220,37 @@ def weighted_outputs(task, model, batch: dict, training: bool):
     if weight.shape.rank != 1:  # A [B, 1] column would broadcast with the loss to [B, B].
       raise errors.TaskError(f"{name}.per_example_loss: weight has shape {weight.shape}; "
                              "expected one weight per example [B] (flatten a [B, 1] column)")
-    _check_per_example(f"{name}.per_example_loss: weight", weight, valid)
+    weight = _check_per_example(f"{name}.per_example_loss: weight", weight, valid)
     weight = weight * valid
   if set(out.metrics) != set(task.metric_names):
     raise errors.TaskError(f"{name}.per_example_loss: metrics {sorted(out.metrics)} differ from "
                            f"{name}.metric_names {sorted(task.metric_names)}")
-  metrics = [tf.cast(out.metrics[m], tf.float32) for m in task.metric_names]
-  for m, value in zip(task.metric_names, metrics):
+  metrics = []
+  for m in task.metric_names:
+    value = tf.cast(out.metrics[m], tf.float32)
     if value.shape.rank != 1:
       raise errors.TaskError(f"{name}.per_example_loss: metric {m!r} has shape {value.shape}; "
                              "expected [B]")
-    _check_per_example(f"{name}.per_example_loss: metric {m!r}", value, valid)
+    metrics.append(_check_per_example(f"{name}.per_example_loss: metric {m!r}", value, valid))
   return loss, weight, metrics
 
 
-def _check_per_example(what: str, value, valid) -> None:
-  """Raises TaskError when a [B] output's static length differs from the batch's (traced)."""
+def _check_per_example(what: str, value, valid):
+  """`value`, checked to hold one entry per example (traced): a static length that differs
+  from the batch's raises TaskError; an unknown one (e.g. after `tf.boolean_mask`) gets an
+  assertion that fails the step with the same sentence."""
   length, batch = value.shape[0], valid.shape[0]
-  if length is not None and batch is not None and length != batch:
-    raise errors.TaskError(f"{what} has {length} values for a batch of {batch} examples; "
-                           "expected one per example [B] (e.g. not one per token)")
+  if length is not None and batch is not None:
+    if length != batch:
+      raise errors.TaskError(f"{what} has {length} values for a batch of {batch} examples; "
+                             "expected one per example [B] (e.g. not one per token)")
+    return value
+  check = tf.debugging.assert_equal(
+      tf.shape(value)[0], tf.shape(valid)[0],
+      message=f"{what} has another number of values than the batch has examples; expected "
+      "one per example [B] (give the examples to leave out weight 0, not a tf.boolean_mask)")
+  with tf.control_dependencies([check]):
+    return tf.identity(value)
 
 
 def check_no_new_variables(task, model, known_ids) -> None:

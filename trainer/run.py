@@ -90,6 +90,9 @@ def _rejected_batch(message: str) -> str:
   said = [line for line in message.splitlines() if line.strip() and not line[0].isspace()
           and not line.startswith(("Graph execution error", "Detected at node"))]
   text = (said[-1] if said else message.strip().splitlines()[-1]).strip()
+  assertion = re.match(r"assertion failed: \[(.*?)\](?: \[|\s*$)", text)
+  if assertion:  # A tf.debugging assertion (the task's, or microstep's own checks): its message.
+    return assertion.group(1)
   if len(text) > 240:
     text = text[:240] + " ..."
   where = f" at {node.group(1)}" if node else ""
