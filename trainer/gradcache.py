@@ -154,7 +154,7 @@ class GradCache:
                             output_gradients=[tf.cast(mine[n][m], reps[n].dtype)
                                               for n in differentiable])
       if reached is not None:
-        reached.note(grads)
+        reached.note(g is not None for g in grads)
       buffers.add([accumulation.dense_float32(g, v) for g, v in zip(grads, variables)], zeros)
 
     first_replica = tf.cast(tf.equal(replica, 0), tf.float32)

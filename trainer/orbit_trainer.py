@@ -192,14 +192,14 @@ class Trainer(orbit.StandardTrainer):
     foreign = [] if recording is None else recording.read_outside  # Tied weights, regularisers.
     if recording is None:
       grads = tape.gradient(objective, variables)
-      self.reached.note(grads)
+      self.reached.note(g is not None for g in grads)
     elif self._gradients_from_statistics and not foreign:
       grads, output_grads = self.statistics.recorded_gradients(tape, objective, recording,
                                                                self.reached)
       self.gradients_from_statistics_traced = True
     else:  # ONE backward pass for the update and the per-example statistics.
       grads, output_grads = tape.gradient(objective, (variables, recording.outputs))
-      self.reached.note(grads)
+      self.reached.note(g is not None for g in grads)
       output_grads = accumulation.zeros_for_none(output_grads, recording.outputs)
     grads = [accumulation.dense_float32(g, v) for g, v in zip(grads, variables)]
     metric_sums = [tf.reduce_sum(m * weight) for m in metrics]

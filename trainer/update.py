@@ -110,9 +110,10 @@ class ReachedVariables:
     self.reached = None  # A tuple of bools, one per trainable variable, once traced.
     self._warned = False
 
-  def note(self, grads) -> None:
-    """Records which of `grads` (one per variable, None where unreached) exist; trace time."""
-    flags = tuple(g is not None for g in grads)
+  def note(self, reached) -> None:
+    """Records one backward pass's bools, one per variable (e.g. `g is not None` for each
+    gradient); trace time."""
+    flags = tuple(bool(r) for r in reached)
     if self.reached is None or len(self.reached) != len(flags):  # (Re)traced for a new model.
       self.reached = flags
     else:

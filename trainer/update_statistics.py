@@ -132,7 +132,7 @@ class UpdateStatistics:
     found = [g is not None for g in grads]
     for i, terms in recording.terms.items():
       found[i] = any(output_grads[term.output] is not None for term in terms)
-    reached.note([0.0 if f else None for f in found])
+    reached.note(found)
     return grads, accumulation.zeros_for_none(output_grads, recording.outputs)
 
   def active(self, global_step):
