@@ -180,6 +180,8 @@ class Trainer(orbit.StandardTrainer):
         self.statistics.recording(tape, batch)) as recording:
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
                                                          training=True)
+      if recording is not None:  # Losses that mix the examples: no direct formula holds.
+        recording.check_losses(loss)
       weight_sum = tf.reduce_sum(weight)
       loss_sum = tf.reduce_sum(loss * weight)
       objective = loss_sum

@@ -154,6 +154,12 @@ def _no_rule(op, i, k):  # pylint: disable=unused-argument
   return MOVED
 
 
+def _row_by_row(op, i, k):  # pylint: disable=unused-argument
+  """Ops over [B, C] rows (softmax cross-entropy: logits, labels -> loss [B], backprop
+  [B, C]): the examples stay on axis 0; on the class axis they are mixed."""
+  return 0 if k == 0 else MOVED
+
+
 def _reverse_sequence(op, i, k):
   if i == 0:
     return MOVED if k == op.get_attr("seq_dim") else k
@@ -241,6 +247,8 @@ _RULES = {
     "TopKV2": _along_last_axis(), "NthElement": _along_last_axis(),
     "Softmax": _along_last_axis(), "LogSoftmax": _along_last_axis(),
     "MatrixBandPart": _along_last_axis(2), "BiasAdd": _data_input(0),
+    "SparseSoftmaxCrossEntropyWithLogits": _row_by_row,
+    "SoftmaxCrossEntropyWithLogits": _row_by_row,
     "LookupTableFindV2": _data_input(1),  # (StringLookup, IntegerLookup: keys.)
     **{f"{kind}FFT{name}": _along_last_axis(axes) for kind in ("", "I", "R", "IR")
        for name, axes in (("", 1), ("2D", 2), ("3D", 3))},

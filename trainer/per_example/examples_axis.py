@@ -23,6 +23,8 @@ example ('' when it can, as far as can be told):
 What it cannot see: a batch-independent or moved input run eagerly (eager tensors keep no
 history). For the eager case `scout` traces the forward once, in a scratch graph that never
 runs, so that the recorder learns which calls to demote before the eager forward.
+`losses_problem(losses)` asks the same of the per-example losses: when they mix the examples
+(in the loss, or in a layer after the recorded ones), every recorded layer is demoted.
 Rows moved and moved back (x[::-1] then [::-1] again) stay moved for every layer after them:
 those layers take the general path too (exact, slower).
 The recorder demotes the layers found to the general path (`recording.py`).
@@ -106,6 +108,21 @@ class BatchAxis:
                f"(after {via})"
     return ""
 
+  def losses_problem(self, losses) -> str:
+    """'' when row i of the traced per-example `losses` is example i's own loss, as far as the
+    graph tells; else why not (one phrase). Losses that mix the examples (weights from a
+    softmax over the batch, `l - mean(l)`) or a model whose later layers do (`x - mean(x, 0)`)
+    make row i of every recorded output gradient depend on the other examples, so no direct
+    formula gives example i's gradient, not even in layers before the mixing."""
+    if (not self._has_batch or not isinstance(losses, tf.Tensor)
+        or isinstance(losses, tf.__internal__.EagerTensor)):
+      return ""
+    label, via = self._labeller.label(losses)
+    if label is None or (label != axis_rules.MOVED and label.in_order):
+      return ""
+    return (f"the per-example losses depend on other examples' values (after {via}); per-example "
+            "gradients follow the single-example forward")
+
   def checked(self, x, name):
     """`x`, with a run-time check that its axis 0 has as many rows as the batch when either
     size is known only at run time (traced with a dynamic batch size; the static check of
@@ -157,8 +174,8 @@ def _trace(recorder, loss_fn, specs) -> list:
   before = len(recorder.demoted)
 
   def forward(b):
-    with recorder.record(None, b):
-      loss_fn(recorder.model, b)
+    with recorder.record(None, b) as rec:
+      rec.check_losses(general.check_losses(loss_fn(recorder.model, b), b))
     return tf.constant(0.0)
   try:
     tf.function(forward, autograph=False).get_concrete_function(specs)

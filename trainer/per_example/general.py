@@ -117,13 +117,32 @@ def _example_at(i):
   return example
 
 
-def check_losses(losses):
-  """The [B] per-example losses of a loss_fn, or a ValueError naming the wrong shape."""
+def check_losses(losses, batch=None):
+  """The [B] per-example losses of a loss_fn, or `Refused` (one line) naming what is wrong:
+  the rank, an integer dtype (no gradient: every result would be zero), or a length other than
+  the `batch`'s leading size (checked while tracing when both are static, else when it runs)."""
   losses = tf.convert_to_tensor(losses)
   if losses.shape.rank != 1:
-    raise ValueError(
+    raise Refused(
         f"loss_fn must return per-example losses of shape [B]; got shape {losses.shape}.")
-  return losses
+  if not (losses.dtype.is_floating or losses.dtype.is_complex):
+    raise Refused(f"loss_fn must return floating-point per-example losses; got "
+                  f"{losses.dtype.name}, which has no gradient.")
+  rows = next((t for t in tf.nest.flatten(batch) if isinstance(t, tf.Tensor) and t.shape.rank),
+              None)
+  if rows is None:
+    return losses
+  count, size = losses.shape[0], rows.shape[0]
+  if count is not None and size is not None:
+    if count != size:
+      raise Refused(f"loss_fn must return one loss per example: got {count} losses for a "
+                    f"batch of {size}.")
+    return losses
+  check = tf.debugging.assert_equal(
+      tf.shape(losses)[0], tf.shape(rows)[0],
+      message="loss_fn must return one loss per example (losses != batch size)")
+  with tf.control_dependencies([check]):
+    return tf.identity(losses)
 
 
 def unwrap(v):
@@ -155,7 +174,7 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     with tf.GradientTape() as tape:
       tape.watch([unwrap(v) for v in variables])
       with guard():
-        loss = tf.reduce_sum(check_losses(loss_fn(model, example)))
+        loss = tf.reduce_sum(check_losses(loss_fn(model, example), example))
     # The backend variables: filling an unconnected gradient with zeros fails on a Keras one.
     grads = tape.gradient(loss, [unwrap(v) for v in variables],
                           unconnected_gradients=tf.UnconnectedGradients.ZERO)

@@ -10,7 +10,9 @@ turn them into exact per-example gradients. General variables: `general.py`.
 
 Semantics and limits:
 * Examples must not interact in the forward pass (loss_i depends on example i only).
-  BatchNormalization in training mode breaks this and is refused with a ValueError.
+  BatchNormalization in training mode breaks this and is refused with a ValueError. Losses
+  that come out mixed across the examples send every variable to the general path (the
+  single-example forward defines each example's gradient; `examples_axis.losses_problem`).
 * Random layers: the direct path uses the masks of its one batch forward, so the per-example
   gradients sum exactly to the batch gradient of that forward (same seed state). The general
   path runs its own forward passes (one example each) with their own masks.

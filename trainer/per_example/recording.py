@@ -227,7 +227,8 @@ class Recorder:
   def _differentiate(self, loss_fn, batch):
     with tf.GradientTape(watch_accessed_variables=False) as tape:
       with self.record(tape, batch) as rec:
-        losses = general.check_losses(loss_fn(self.model, batch))
+        losses = general.check_losses(loss_fn(self.model, batch), batch)
+        rec.check_losses(losses)
       total = tf.reduce_sum(tf.cast(losses, tf.float32))
     output_grads = tape.gradient(total, rec.outputs,
                                  unconnected_gradients=tf.UnconnectedGradients.ZERO)
@@ -329,6 +330,14 @@ class Recording:
     if moved and self.recorder.general_path == "error" and not self.refusal:
       self.refusal = general.demotion_refusal(layer, problem)
       self.advice = " (use general_path='loop' or 'vectorized_map')"
+
+  def check_losses(self, losses) -> None:
+    """Call inside `record` with the forward's [B] per-example losses: when they mix the
+    examples (`examples_axis.BatchAxis.losses_problem`), every recorded layer is demoted to
+    the general path, whose single-example forwards define each example's gradient."""
+    problem = self.batch_axis.losses_problem(losses)
+    for layer, _ in list(self.recorder.layers) if problem else ():
+      self.demote(layer, problem)
 
   def add(self, variable, term) -> None:
     """Registers `term` for `variable` (ignored when the variable is not being differentiated)."""
