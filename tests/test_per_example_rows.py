@@ -260,3 +260,16 @@ def test_a_ragged_batch_made_dense_in_the_model_keeps_its_direct_formulas():
   grads = tf.function(lambda b: per_example_gradients(model, h.xent, b))(batch)
   h.assert_close_rel(grads, h.loop_grads(model, h.xent, batch, model.trainable_variables), 1e-5,
                      "ragged to dense")
+
+
+@pytest.mark.parametrize("labels, expected", [
+    ([Examples(0, 1, None), Examples(0, 1, 3)], Examples(0, 1, 3)),  # Ragged rows + labels.
+    ([Examples(0, 1, 3), None], Examples(0, 1, 3)),
+    ([Examples(0, 1, 3), Examples(0, 1, 5)], MOVED),
+    ([Examples(0, 1, None), Examples(1, 1, 3)], MOVED),
+    ([Examples(0, 2, None), Examples(0, 1, 3)], MOVED),
+    ([Examples(0, 1, 3), MOVED], MOVED),
+    ([None, None], None),
+])
+def test_labels_of_two_inputs_agree_only_on_one_axis_and_size(labels, expected):
+  assert axis_rules.moves.agreed(labels) == expected

@@ -30,6 +30,21 @@ class Examples:
     return self.axis == 0 and self.inner == 1
 
 
+def agreed(labels):
+  """The one label that every label in `labels` (None, MOVED or Examples) can be, else MOVED.
+  Examples that differ only where one size is unknown agree (a ragged batch's row splits made
+  dense hold its B examples in order, sized only at run time), taking the known size."""
+  labels = {a for a in labels if a is not None}
+  if len(labels) <= 1:
+    return labels.pop() if labels else None
+  if MOVED in labels or len({(a.axis, a.inner) for a in labels}) != 1:
+    return MOVED
+  sizes = {a.size for a in labels} - {None}
+  if len(sizes) > 1:
+    return MOVED  # Two inputs disagree: rows are mixed.
+  return dataclasses.replace(labels.pop(), size=sizes.pop() if sizes else None)
+
+
 def static(t):
   """A tensor's value known while tracing, as a list (entries None where unknown), or None."""
   try:

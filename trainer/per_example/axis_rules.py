@@ -87,10 +87,7 @@ def output_label(op, labels):
       logging.debug("per_example: no axis rule applies to %s (%s)", op.name, e)
       axis = MOVED
     found.add(axis if axis in (None, MOVED) else dataclasses.replace(label, axis=axis))
-  found.discard(None)
-  if not found:
-    return None
-  return found.pop() if len(found) == 1 else MOVED  # Two inputs disagree: rows are mixed.
+  return moves.agreed(found)  # Two inputs that disagree mix the rows: MOVED.
 
 
 def _same(op, i, k):  # pylint: disable=unused-argument

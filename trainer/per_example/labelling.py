@@ -19,6 +19,7 @@ Context: Python only, while tracing or on a finished graph; creates no ops.
 from absl import logging
 import tensorflow as tf
 
+from trainer.per_example import axis_moves
 from trainer.per_example import axis_rules
 
 MOVED = axis_rules.MOVED
@@ -32,11 +33,7 @@ _LOOP_PASSES = 8  # Labels only grow (None -> Examples -> MOVED): a few passes s
 
 def join(a, b):
   """The label of a value that may be either `a` or `b`."""
-  if a is None or a == b:
-    return b
-  if b is None:
-    return a
-  return MOVED
+  return axis_moves.agreed([a, b])
 
 
 class Labeller:
