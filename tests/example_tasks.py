@@ -6,7 +6,8 @@ dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError
 `LabelsOutOfRange` and `IdsOutOfVocabulary` hold values their model's kernels reject;
 `MaskedLoss` returns fewer losses than examples.
 `GradientPenalty` differentiates the model inside its loss; `PositionTransformer` adds a
-position Embedding that does not depend on the batch. `UnusedHead` has a second output head its
+position Embedding that does not depend on the batch. `HardExampleWeights` (a loss) and
+`CenteredBatch` (a model) mix the examples. `UnusedHead` has a second output head its
 loss leaves out; `ConstantLoss` never uses the model.
 """
 import keras
@@ -84,6 +85,27 @@ class GradientPenalty(NoMetrics):
     penalty = tf.reduce_sum(tf.square(inner.gradient(first, x)), 1)
     loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits)
     return base_task.LossOutput(loss=loss + 0.1 * penalty)
+
+
+class HardExampleWeights(NoMetrics):
+  """Cross-entropy weighted by a softmax of the losses over the batch: each example's loss
+  depends on the others' (no direct formula gives its own gradient; the general path does)."""
+
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, batch, training)[0]
+    return base_task.LossOutput(loss=loss * tf.nn.softmax(loss))
+
+
+class CenteredBatch(NoMetrics):
+  """A model that subtracts the batch mean after its first layer: every recorded layer's
+  output gradient rows mix the examples, also the layer before the mixing."""
+
+  def build_model(self):
+    keras.utils.set_random_seed(0)
+    x = keras.Input((12,))
+    h = keras.layers.Dense(16, activation="tanh")(x)
+    h = keras.layers.Lambda(lambda t: t - tf.reduce_mean(t, 0, keepdims=True))(h)
+    return keras.Model(x, keras.layers.Dense(2)(h))
 
 
 class UnusedHead(NoMetrics):

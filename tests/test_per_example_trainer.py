@@ -59,7 +59,14 @@ def _oracle(config, task, initial, batch, replicas, k):
   flat = np.concatenate([np.reshape(g, (g.shape[0], -1)) for g in grads], axis=1)
   flat = flat.astype(np.float64)
   count, per_group = flat.shape[0], flat.shape[0] // (replicas * k)
-  total = flat.sum(0)
+  # G: the update's gradient, from a tape of the summed losses. It equals the per-example
+  # gradients' sum unless the losses mix the examples (then the g_i are single-example ones).
+  with tf.GradientTape() as tape:
+    summed = tf.reduce_sum(loss_fn(model, batch))
+  grads_sum = tape.gradient(summed, model.trainable_variables)
+  total = np.concatenate([np.reshape(np.zeros(v.shape) if g is None else tf.convert_to_tensor(g),
+                                     -1) for v, g in zip(model.trainable_variables, grads_sum)])
+  total = total.astype(np.float64)
   g2 = np.sum((total / count) ** 2)
   n2 = np.sum(flat ** 2, axis=1)
   small = np.mean([np.sum((flat[i:i + per_group].sum(0) / per_group) ** 2)
@@ -103,6 +110,8 @@ def test_statistics_equal_the_materialised_oracle(tmp_path, replicas, k, model):
 GENERAL_IN_THE_HOOK = {  # task: the variables its model must send to the general path.
     "PositionTransformer": lambda model: [model.layers[1].positions.embeddings],
     "GradientPenalty": lambda model: model.trainable_variables,
+    "HardExampleWeights": lambda model: model.trainable_variables,  # The loss mixes examples.
+    "CenteredBatch": lambda model: model.trainable_variables,  # So does the model.
 }
 
 
