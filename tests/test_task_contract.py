@@ -165,6 +165,52 @@ class UnevenLengths(example_tasks.NoMetrics):
     return lambda: tf.data.Dataset.from_generator(examples, output_signature=signature)
 
 
+class GeneratorFunction(example_tasks.NoMetrics):
+  """A Python generator function where a tf.data factory belongs (it returns a generator)."""
+
+  def train_data(self):
+    arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
+    def examples():
+      for i in range(64):
+        yield {"x": arrays["x"][i], "y": arrays["y"][i]}
+    return examples
+
+
+class MixedDtypeRecords(example_tasks.NoMetrics):
+  """Records whose target is an int in record 0 and a float in others: was cast to int64
+  (2.5 -> 2), silently."""
+
+  def build_model(self):
+    return keras.Sequential([keras.Input((12,)), keras.layers.Dense(1)])
+
+  def train_data(self):
+    arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
+    return [{"x": arrays["x"][i], "target": 3 if i == 0 else 0.5 * i} for i in range(64)]
+
+  def eval_data(self):
+    return None
+
+  def per_example_loss(self, model, batch, training):
+    error = model(batch["x"], training=training)[:, 0] - tf.cast(batch["target"], tf.float32)
+    return base_task.LossOutput(loss=tf.square(error))
+
+
+class WithStringLookup(example_tasks.NoMetrics):
+  """Words through a StringLookup table, which XLA cannot compile (Keras: supports_jit=False)."""
+
+  def build_model(self):
+    words = keras.Input((), dtype="string")
+    ids = keras.layers.StringLookup(vocabulary=["cat", "horse", "dog"])(words)
+    return keras.Model(words, keras.layers.Dense(2)(keras.layers.Embedding(4, 3)(ids)))
+
+  def train_data(self):
+    names = np.array(["cat", "horse", "dog", "zebra"] * 16)
+    return {"x": names, "y": (np.arange(64) % 2).astype(np.int64)}
+
+  def eval_data(self):
+    return None
+
+
 @pytest.mark.parametrize("task_class,error,message", [
     (WeightColumn, errors.TaskError, r"weight has shape \(16, 1\); expected one weight per "),
     (PerTokenLoss, errors.TaskError, "loss has 32 values for a batch of 16 examples"),
@@ -183,10 +229,24 @@ class UnevenLengths(example_tasks.NoMetrics):
     (EmptyDataset, errors.DataError, "the training data yields no batch"),
     (UnevenLengths, errors.DataError,
      r"yields examples of different shapes \(component 0\. First element had shape \[1[12]\]"),
+    (GeneratorFunction, errors.DataError, r"the data function 'examples' returned a generator; "
+     r"it must return a tf.data.Dataset: wrap it, e.g. `lambda: tf.data.Dataset.from_generator"),
+    (MixedDtypeRecords, errors.DataError, r"^train_data\(\)\[\d+\] field 'target' holds "
+     r"float64 values where record 0 holds int64; give the field one dtype in every record"),
 ])
 def test_contract_breaches_fail_in_one_line(tmp_path, task_class, error, message):
-  with pytest.raises(error, match=message):
+  with pytest.raises(error, match=message) as info:
     _train(task_class, tmp_path)
+  assert "\n" not in str(info.value)
+
+
+def test_xla_on_refuses_a_layer_xla_cannot_compile_in_one_line(tmp_path):
+  """It failed in the first step with a message about tracing (default_types.py)."""
+  with pytest.raises(errors.ConfigError, match=r"^`xla`=on: layer 'string_lookup\S*' "
+                     r"\(StringLookup\) cannot run under XLA \(Keras marks it supports_jit="
+                     r"False\); allowed: auto \(then off for this model\) or off$"):
+    _train(WithStringLookup, tmp_path, xla="on")
+  assert _train(WithStringLookup, tmp_path / "auto", xla="auto")["global_step"] == 2
 
 
 class ScalarWeight(example_tasks.NoMetrics):

@@ -41,6 +41,16 @@ def test_every_random_access_source_gives_the_same_batches(tmp_path):
   assert len(epoch1) == 20
 
 
+def test_indexable_records_keep_strings_longer_than_record_0s():
+  """They were cut to record 0's length ('horse' -> 'hor')."""
+  words = ["cat", "horse", "hippopotamus", "ox"]
+  records = [{"word": np.array(w), "n": np.int64(i)} for i, w in enumerate(words)]
+  batch = data.batch_at(data.as_source(records, "train_data()"), tf.range(4, dtype=tf.int64),
+                        seed=0, shuffle=False)
+  assert [w.decode() for w in batch["word"].numpy()] == words
+  np.testing.assert_array_equal(batch["n"], [0, 1, 2, 3])
+
+
 @pytest.mark.parametrize("bad,message", [
     ({"x": np.zeros((3, 2)), "y": np.zeros(4)}, "must share one leading dimension"),
     ({"x": np.array([[np.nan]])}, "contains NaN or Inf"),

@@ -48,9 +48,15 @@ class DatasetFactory:
       return False
 
   def dataset(self, input_context) -> tf.data.Dataset:
+    dataset = self.make(input_context) if self.takes_input_context else self.make()
+    if not isinstance(dataset, tf.data.Dataset):
+      hint = (": wrap it, e.g. `lambda: tf.data.Dataset.from_generator(gen, output_signature="
+              "...)`" if inspect.isgenerator(dataset) else "")
+      raise errors.DataError(
+          f"the data function {getattr(self.make, '__name__', self.make)!r} returned a "
+          f"{type(dataset).__name__}; it must return a tf.data.Dataset{hint}")
     if self.takes_input_context:
-      return self.make(input_context)
-    dataset = self.make()
+      return dataset
     if input_context.num_input_pipelines > 1:
       dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
     return dataset
@@ -106,8 +112,10 @@ def arrays_source(arrays: dict, what: str = "data") -> base_task.ExampleSource:
 def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
   """Random access over any object with `__len__` and `__getitem__(i) -> dict of arrays`.
 
-  Records are read in Python (`tf.numpy_function`) for each batch; their structure comes from
-  record 0.
+  Records are read in Python (`tf.numpy_function`) for each batch; their structure and dtypes
+  come from record 0. A later record whose field does not cast to record 0's dtype within its
+  kind (a float where record 0 holds an int) fails the step with one line naming it; strings
+  keep their length.
   """
   size = len(indexable)
   if size == 0:
@@ -122,7 +130,7 @@ def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
 
   def read(ids):
     records = [indexable[int(i)] for i in ids]
-    return [np.stack([np.asarray(r[n]) for r in records]).astype(first[n].dtype) for n in names]
+    return [_column(records, ids, n, first[n].dtype, what) for n in names]
 
   def take(ids, positions):
     del positions
@@ -130,6 +138,19 @@ def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
     return {n: tf.ensure_shape(c, [None] + list(first[n].shape[1:]))
             for n, c in zip(names, columns)}
   return base_task.ExampleSource(num_examples=size, take=take)
+
+
+def _column(records, ids, name, dtype, what):
+  """Field `name` of `records` stacked, in `dtype` (record 0's; strings of any length)."""
+  values = [np.asarray(r[name]) for r in records]
+  if dtype.kind in "US":
+    return np.stack(values)  # (Casting to record 0's '<U3' would cut longer strings.)
+  for i, value in zip(ids, values):
+    if not np.can_cast(value.dtype, dtype, casting="same_kind"):
+      raise errors.DataError(
+          f"{what}[{int(i)}] field {name!r} holds {value.dtype} values where record 0 holds "
+          f"{dtype}; give the field one dtype in every record (e.g. float for every number)")
+  return np.stack(values).astype(dtype)
 
 
 def as_source(obj: Any, what: str):

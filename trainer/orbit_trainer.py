@@ -118,7 +118,7 @@ class Trainer(orbit.StandardTrainer):
     self._state = replica_state.WriteRecorder(model)
     self._warned_state_writes = False
     self._sync_state = config.replica_state == "mean"
-    self.xla = xla.plan(config, strategy)
+    self.xla = xla.plan(config, strategy, model)
     self._micro_step_fn = self.micro_step
     if self.xla.micro_step:
       compiled_micro_step = xla.PerReplicaCompiled(self.micro_step)

@@ -85,7 +85,11 @@ TRAINING_MODES = ("train", "train_and_eval")
 
 def _rejected_batch(message: str) -> str:
   """One line from a TensorFlow op error raised by a step (a label outside the classes, an id
-  outside an Embedding's vocabulary): the node and what it said, without TF's stack."""
+  outside an Embedding's vocabulary): the node and what it said, without TF's stack. A
+  microstep error raised inside the input pipeline (`data._column`) is its own line."""
+  ours = re.search(r"^trainer\.errors\.\w+: (.+)$", message, re.MULTILINE)
+  if ours:
+    return ours.group(1).strip()
   node = re.search(r"Detected at node '?([^'\s]+)", message)
   said = [line for line in message.splitlines() if line.strip() and not line[0].isspace()
           and not line.startswith(("Graph execution error", "Detected at node"))]

@@ -1,14 +1,18 @@
 """XLA for the replica functions: which ones `config.xla` compiles, and how (docs/design.md).
 
-`plan(config, strategy)` resolves `config.xla` (auto | on | off) for a strategy; the trainer then
+`plan(config, strategy, model)` resolves `config.xla` (auto | on | off) for a strategy and a model
+(auto stays off, as in Keras' `model.fit`, when a layer says `supports_jit = False`: lookup
+tables of StringLookup and the like; `on` refuses such a model in one line); the trainer then
 compiles the micro-step always, the whole update step where XLA has the collective (one replica,
 or GPUs only), and otherwise the update's local forward/backward through `PerReplicaCompiled`.
 Eager at construction; the compiled functions run traced, in replica context.
 """
 from typing import NamedTuple
 
+from absl import logging
 import tensorflow as tf
 
+from trainer import errors
 from trainer import strategies
 
 
@@ -27,12 +31,29 @@ class XlaPlan(NamedTuple):
   local_sums: bool
 
 
-def plan(config, strategy) -> XlaPlan:
-  """Resolves `config.xla` for `strategy` (eager, host)."""
+def _without_jit(model) -> str:
+  """'name' (Class) of the first layer Keras marks `supports_jit = False`, or ''."""
+  flatten = getattr(model, "_flatten_layers", None)
+  for layer in (flatten() if flatten else ()):
+    if not getattr(layer, "supports_jit", True):
+      return f"{layer.name!r} ({type(layer).__name__})"
+  return ""
+
+
+def plan(config, strategy, model=None) -> XlaPlan:
+  """Resolves `config.xla` for `strategy` and `model` (eager, host)."""
   kind = strategies.device_kind(strategy)
   if kind == "tpu":  # Everything inside tpu.replicate is compiled already.
     return XlaPlan(True, False, False, False)
   enabled = config.xla == "on" or (config.xla == "auto" and kind == "gpu")
+  unsupported = _without_jit(model) if enabled else ""
+  if unsupported and config.xla == "on":
+    raise errors.ConfigError(
+        f"`xla`=on: layer {unsupported} cannot run under XLA (Keras marks it supports_jit=False); "
+        "allowed: auto (then off for this model) or off")
+  if unsupported:
+    logging.info("xla=auto: off, layer %s does not support XLA", unsupported)
+    enabled = False
   if not enabled:
     return XlaPlan(False, False, False, False)
   whole = strategy.num_replicas_in_sync == 1 or kind == "gpu"
