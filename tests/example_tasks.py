@@ -7,7 +7,8 @@ dict-of-arrays data. `BadLoss` returns a [B, 1] loss, `BadData` raises DataError
 `MaskedLoss` returns fewer losses than examples.
 `GradientPenalty` differentiates the model inside its loss; `PositionTransformer` adds a
 position Embedding that does not depend on the batch. `HardExampleWeights` (a loss) and
-`CenteredBatch` (a model) mix the examples. `UnusedHead` has a second output head its
+`CenteredBatch` (a model) mix the examples; `ActivityRegularised` penalises its logits.
+`UnusedHead` has a second output head its
 loss leaves out; `ConstantLoss` never uses the model.
 """
 import keras
@@ -106,6 +107,16 @@ class CenteredBatch(NoMetrics):
     h = keras.layers.Dense(16, activation="tanh")(x)
     h = keras.layers.Lambda(lambda t: t - tf.reduce_mean(t, 0, keepdims=True))(h)
     return keras.Model(x, keras.layers.Dense(2)(h))
+
+
+class ActivityRegularised(NoMetrics):
+  """An L2 activity regulariser on the logits (Keras divides it by the batch size)."""
+
+  def build_model(self):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((12,)), keras.layers.Dense(16, activation="tanh"),
+        keras.layers.Dense(2, activity_regularizer=keras.regularizers.l2(0.05))])
 
 
 class UnusedHead(NoMetrics):

@@ -49,12 +49,13 @@ def test_statistics_every_n_updates(tmp_path, replicas, k):
   assert np.isfinite(float(trainer.last_grad_norm.numpy()))
 
 
-def _oracle(config, task, initial, batch, replicas, k):
-  """The statistics of update 0 from materialised per-example gradients at the initial weights."""
+def _oracle(config, task, initial, batch, replicas, k, loss_fn=None):
+  """The statistics of update 0 from materialised per-example gradients at the initial weights
+  (of the task's weighted losses, or of `loss_fn(model, batch)`)."""
   model = task.build_model()
   for var, value in zip(model.trainable_variables, initial):
     var.assign(value)
-  loss_fn = lambda m, b: base_task.weighted_outputs(task, m, b, training=True)[0]
+  loss_fn = loss_fn or (lambda m, b: base_task.weighted_outputs(task, m, b, training=True)[0])
   grads = per_example.per_example_gradients(model, loss_fn, batch)
   flat = np.concatenate([np.reshape(g, (g.shape[0], -1)) for g in grads], axis=1)
   flat = flat.astype(np.float64)
@@ -150,6 +151,34 @@ def test_layers_the_formulas_cannot_serve_take_the_general_path_in_the_trainer_h
   for name in ("gns", "diversity", "mean_norm", "trace", "grad_norm", "mean_cosine"):
     (step, got), = events[f"per_example/{name}"]
     np.testing.assert_allclose(float(got), expected[name], rtol=1e-5, err_msg=name)
+
+
+def test_an_activity_regulariser_is_in_each_examples_own_gradient(tmp_path):
+  """The update's objective counts a Keras activity regulariser once per example (Keras divides
+  it by the batch size, the trainer multiplies it by the weight sum), so the recorded output
+  gradients hold each example's own penalty: g_i = grad(l_i + r_i) with unit weights."""
+  config = helpers.tiny_config(**{"per_example.every_steps": 1, "train_steps": 1,
+                                  "batch_size": 8})
+  task = example_tasks.ActivityRegularised(config)
+  strategy, trainer = helpers.build(config, tmp_path / "w", task)
+  initial, _ = helpers.snapshot(strategy, trainer)
+  writer = tf.summary.create_file_writer(str(tmp_path / "tb"))
+  with writer.as_default():
+    trainer.train(tf.constant(1))
+  writer.flush()
+  events = _events(tmp_path / "tb")
+
+  def own_penalty(model, batch):
+    logits = model(batch["x"], training=True)
+    return (tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits)
+            + 0.05 * tf.reduce_sum(tf.square(logits), axis=1))
+  batch = helpers.update_batches(config, 1, task)[0]
+  expected = _oracle(config, task, initial, batch, 1, 1, own_penalty)
+  without = _oracle(config, task, initial, batch, 1, 1)
+  for name in ("gns", "diversity", "mean_norm", "trace", "grad_norm", "mean_cosine"):
+    (_, got), = events[f"per_example/{name}"]
+    np.testing.assert_allclose(float(got), expected[name], rtol=1e-5, err_msg=name)
+  assert abs(without["mean_norm"] / expected["mean_norm"] - 1) > 1e-3  # The penalty counts.
 
 
 def test_statistics_refuse_a_model_called_on_several_rows_per_example(tmp_path):

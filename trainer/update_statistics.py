@@ -11,7 +11,8 @@ cover every example of the update: all k micro-batches on all replicas (the "sma
 the noise scale are the R·k per-replica micro-batches, the big one the k·B examples of the
 update). Cosines (`mean_cosine`, the `cosines` and `norms` histograms) cover the update's LAST
 micro-batch, the one whose activations are still alive when the update's gradient G is known;
-cosines are to G. With regularisation losses G includes their gradient; the g_i do not.
+cosines are to G. With weight regularisers G includes their gradient; the g_i do not. An
+activity regulariser is in each g_i as the example's own share (docs/per_example.md).
 
 How, all traced:
 
