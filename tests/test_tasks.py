@@ -66,6 +66,17 @@ def test_bad_sources_are_one_line(bad, message):
   assert "\n" not in str(error.value)
 
 
+def test_an_npz_of_several_splits_is_one_line(tmp_path):
+  """keras.datasets' layout (x_train, y_train, x_test, y_test) read as ONE split failed on the
+  unequal lengths, while a docstring promised the split names worked."""
+  arrays = example_tasks._arrays(40, 1)  # pylint: disable=protected-access
+  np.savez(tmp_path / "mnist.npz", x_train=arrays["x"], y_train=arrays["y"],
+           x_test=arrays["x"][:8], y_test=arrays["y"][:8])
+  with pytest.raises(errors.DataError, match=r"^train_data\(\)='.*mnist.npz' holds 2 splits "
+                     r"\(test, train\); return a dict of one split's arrays"):
+    data.as_source(str(tmp_path / "mnist.npz"), "train_data()")
+
+
 def test_tf_data_eval_pads_and_covers_every_example_once():
   factory = data.DatasetFactory(lambda: tf.data.Dataset.from_tensor_slices(
       {"x": tf.range(10, dtype=tf.float32)}))

@@ -36,8 +36,9 @@ handle: microstep pads the last evaluation batch itself and gives padded rows we
 **Data.** `train_data()` and `eval_data()` return one of:
 
   * random access (the default path): a dict of numpy arrays with one leading dimension; a path
-    to an `.npz` file (its arrays by name, or `<split>_`-prefixed names such as `x_train`, see
-    `trainer.data`); any object with `__len__` and `__getitem__(i) -> dict of arrays` (e.g.
+    to an `.npz` file of one split (its arrays by name; a file of several splits, `x_train` and
+    `x_test`, is refused in one line: return a dict of one split's arrays, or use the
+    `npz_classification` task); any object with `__len__` and `__getitem__(i) -> dict of arrays` (e.g.
     `tfds.data_source(...)`, ArrayRecord readers); or an `ExampleSource`. microstep draws
     examples through a deterministic, resumable stream: example order does not depend on the
     number of replicas or workers, k micro-batches are exactly one batch of k·B, and a restart

@@ -153,6 +153,9 @@ def _column(records, ids, name, dtype, what):
   return np.stack(values).astype(dtype)
 
 
+_SPLITS = frozenset({"train", "test", "val", "valid", "validation", "eval"})  # x_train, y_test...
+
+
 def as_source(obj: Any, what: str):
   """A task's data (see `trainer.base_task`) as an `ExampleSource` or a `DatasetFactory`."""
   if isinstance(obj, (base_task.ExampleSource, DatasetFactory)):
@@ -163,7 +166,14 @@ def as_source(obj: Any, what: str):
     path = os.fspath(obj)
     if not path.endswith(".npz"):
       raise errors.DataError(f"{what}={path!r}: a path source must be an .npz file")
-    return arrays_source(_load_npz(path, what), f"{what} ({path})")
+    arrays = _load_npz(path, what)
+    splits = sorted({name.rsplit("_", 1)[-1] for name in arrays} & _SPLITS)
+    if len(splits) > 1:
+      raise errors.DataError(
+          f"{what}={path!r} holds {len(splits)} splits ({', '.join(splits)}); return a dict of "
+          "one split's arrays, e.g. {'x': npz['x_train'], 'y': npz['y_train']}, or use "
+          "configs/npz_arrays.py")
+    return arrays_source(arrays, f"{what} ({path})")
   if isinstance(obj, tuple) and len(obj) in (2, 3) and any(hasattr(p, "shape") for p in obj):
     raise errors.DataError(f"{what} is a tuple of arrays, (x, y) as for model.fit; return ONE "
                            "dict of arrays holding the labels too, e.g. {'x': x, 'label': y}")
