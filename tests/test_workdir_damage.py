@@ -69,7 +69,8 @@ def test_rerunning_a_finished_train_and_eval_keeps_its_evaluation(trained, tmp_p
   assert saved["eval"]["loss"] == pytest.approx(first["loss"], rel=1e-6)
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not_an_object", "missing"])
+@pytest.mark.parametrize("damage", ["truncated", "not_an_object", "missing", "empty_object",
+                                    "no_seed"])
 def test_an_unreadable_config_json_refuses_the_resume_unless_unchecked(trained, tmp_path,
                                                                        damage):
   workdir = _copy(trained, tmp_path)
@@ -78,6 +79,12 @@ def test_an_unreadable_config_json_refuses_the_resume_unless_unchecked(trained, 
     path.write_text(path.read_text()[:100])
   elif damage == "not_an_object":
     path.write_text("null")
+  elif damage == "empty_object":  # `{}` said nothing and let any change through.
+    path.write_text("{}")
+  elif damage == "no_seed":  # A key deleted by hand: its change went unchecked.
+    saved = json.loads(path.read_text())
+    del saved["seed"]
+    path.write_text(json.dumps(saved))
   else:
     path.unlink()
   changed = {"train_steps": 8, "seed": 7}

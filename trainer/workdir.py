@@ -37,6 +37,8 @@ RESUME_FIXED = ("task", "model", "batch_size", "seed", "mixed_precision", "optim
                 "histogram.features", "histogram.train_examples")
 
 
+# Fields every config.json microstep ever wrote holds: one without them says nothing.
+RESUME_CORE = ("task", "model", "batch_size", "seed", "optimizer.name", "accumulation.steps")
 # `allow_config_change` value that resumes a workdir whose config.json is missing or unreadable.
 UNCHECKED = "unchecked"
 
@@ -146,8 +148,12 @@ def check_resume(config, workdir: str) -> None:
       saved = json.load(f)
     if not isinstance(saved, dict):
       raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+    missing = [f for f in RESUME_CORE if _field(saved, f) is None]
+    if missing:  # `{}`, or keys deleted by hand: the guard would pass anything.
+      raise ValueError(f"an object without {', '.join(f'`{f}`' for f in missing)}")
   except (ValueError, tf.errors.NotFoundError) as e:
     problem = ("is missing" if isinstance(e, tf.errors.NotFoundError)
+               else f"does not read back ({e})" if str(e).startswith("an object without")
                else f"does not read back ({type(e).__name__})")
     if UNCHECKED not in allowed:
       raise errors.ConfigError(
@@ -161,10 +167,12 @@ def check_resume(config, workdir: str) -> None:
     raise checkpointing.CheckpointReadError(
         f"cannot read {path} ({type(e).__name__}); storage unavailable? Nothing was changed; "
         "rerun to resume") from None
-  changed = []
+  changed, unchecked = [], []
   for field in RESUME_FIXED:
     node = _field(saved, field)
     now = _field(config, field)
+    if node is None and now is not None and field not in allowed:
+      unchecked.append(field)  # (A field newer than the workdir's microstep, or deleted.)
     if node is not None and now is not None and node != now and field not in allowed:
       changed.append((field, node, now))
   old, new = _field(saved, "optimizer.momentum"), _field(config, "optimizer.momentum")
@@ -172,6 +180,9 @@ def check_resume(config, workdir: str) -> None:
       and old is not None and new is not None and (old > 0) != (new > 0)
       and "optimizer.momentum" not in allowed):  # SGD's momentum slots would vanish or be missing.
     changed.append(("optimizer.momentum", old, new))
+  if unchecked:
+    logging.warning("resuming: %s has no %s; those fields are not checked", path,
+                    ", ".join(unchecked))
   if changed:
     what = ", ".join(f"`{f}` ({old!r} -> {new!r})" for f, old, new in changed)
     names = ",".join(f for f, _, _ in changed)
