@@ -213,4 +213,35 @@ def test_a_failed_move_of_a_complete_export_keeps_it(trained, tmp_path, monkeypa
   monkeypatch.setattr(export.tf.io.gfile, "rename", refuse)
   with pytest.raises(checkpointing.CheckpointWriteError, match="cannot move the complete export"):
     run.run(_config(mode="export"), str(workdir))
-  assert (workdir / "export" / "6.partial" / "saved_model.pb").exists()
+  kept, = (workdir / "export").glob("6.partial-*")
+  assert (kept / "saved_model.pb").exists()
+
+
+def test_an_export_beside_another_of_the_same_update_keeps_one_complete_copy(
+    trained, tmp_path, monkeypatch):
+  """A `mode=export` beside a trainer exporting the same update shared one `6.partial`: each
+  deleted the other's files, and one died with a NotFound traceback (found 2026-12-05). Now each
+  writes its own; whichever comes second keeps the complete copy in place."""
+  workdir = _copy(trained, tmp_path)
+  from trainer import export  # pylint: disable=g-import-not-at-top
+  exports = workdir / "export"
+  exports.mkdir(exist_ok=True)
+  (exports / "6.partial").mkdir()  # An older microstep's, killed while exporting.
+  (exports / "6.partial-999999999").mkdir()  # A dead process's.
+  (exports / "6.partial-1").mkdir()  # A live process's (pid 1): left alone.
+  real_rename = export.tf.io.gfile.rename
+
+  def other_process_first(source, target, *args, **kwargs):
+    del args, kwargs
+    real_rename(source, str(exports / "other"))  # The other process's complete copy lands...
+    real_rename(str(exports / "other"), target)
+    raise tf.errors.AlreadyExistsError(None, None, f"{target} exists")  # ...before ours.
+  monkeypatch.setattr(export.tf.io.gfile, "rename", other_process_first)
+  assert run.run(_config(mode="export"), str(workdir))["global_step"] == 6
+  assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial-1"]
+  assert (exports / "6" / "saved_model.pb").exists()
+  monkeypatch.setattr(export.tf.io.gfile, "rename", real_rename)
+  before = (exports / "6" / "saved_model.pb").stat().st_mtime_ns
+  run.run(_config(mode="export"), str(workdir))  # A complete copy in place is kept.
+  assert (exports / "6" / "saved_model.pb").stat().st_mtime_ns == before
+  assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial-1"]

@@ -8,6 +8,12 @@ signature. The input signature is the model's own `inputs`, or `Task.serving_sig
 models without them (subclassed models). The files are written to a temporary directory and
 renamed into place, so `export/<update>` is either complete or absent. Local and gs:// workdirs
 alike (`tf.io.gfile`; on GCS a directory rename copies, so it is not atomic there).
+
+The temporary directory is `export/<update>.partial-<pid>`: a `mode=export` beside a trainer
+exporting the same update writes its own (with one shared name each deleted the other's files:
+a NotFound traceback). Temporary directories of processes no longer alive on this host (killed
+while exporting) are removed. An export of the same update that is already in place and
+complete (`saved_model.pb`) is kept: it holds the same weights.
 """
 import os
 
@@ -23,12 +29,36 @@ def _remove(path: str) -> None:
     tf.io.gfile.rmtree(path)
 
 
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Alive, another user's.
+    return True
+  return True
+
+
+def _remove_stale_partials(final: str) -> None:
+  """Removes `final`.partial (older microstep) and `final`.partial-<pid> of dead processes."""
+  for path in tf.io.gfile.glob(final + ".partial*"):
+    suffix = path[len(final + ".partial"):]
+    if suffix == "" or (suffix.startswith("-") and suffix[1:].isdigit()
+                        and not _alive(int(suffix[1:]))):
+      _remove(path)
+
+
+def _complete(path: str) -> bool:
+  return tf.io.gfile.exists(os.path.join(path, "saved_model.pb"))
+
+
 def export_model(task, model, workdir: str, step: int) -> str:
   """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path."""
   final = os.path.join(workdir, "export", str(step))
-  partial = final + ".partial"
+  partial = f"{final}.partial-{os.getpid()}"
   signature = task.serving_signature()
   try:
+    _remove_stale_partials(final)
     _remove(partial)
     tf.io.gfile.makedirs(os.path.dirname(final))
     model.export(partial, format="tf_saved_model", verbose=False, input_signature=signature)
@@ -47,9 +77,15 @@ def export_model(task, model, workdir: str, step: int) -> str:
         f"cannot write the export {final} ({checkpointing.describe_error(e)}); disk full? The "
         "checkpoints are intact: free space and rerun with `mode=export`") from None
   try:
-    _remove(final)
-    tf.io.gfile.rename(partial, final)
-  except checkpointing.STORAGE_ERRORS as e:
+    if _complete(final):  # Another process (or an earlier run) exported this update.
+      _remove(partial)
+    else:
+      _remove(final)  # (A file or an incomplete directory in its place.)
+      tf.io.gfile.rename(partial, final)
+  except (*checkpointing.STORAGE_ERRORS, tf.errors.OpError) as e:  # (Also a lost race.)
+    if _complete(final):  # Renamed there by the other process in between: same weights.
+      _remove(partial)
+      return final
     raise checkpointing.CheckpointWriteError(
         f"cannot move the complete export {partial} to {final} ({type(e).__name__}); move it "
         "by hand") from None
