@@ -245,3 +245,56 @@ def test_an_export_beside_another_of_the_same_update_keeps_one_complete_copy(
   run.run(_config(mode="export"), str(workdir))  # A complete copy in place is kept.
   assert (exports / "6" / "saved_model.pb").stat().st_mtime_ns == before
   assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial-1"]
+
+
+def test_a_checkpoint_deleted_while_an_evaluator_reads_it_is_not_damage(trained, tmp_path,
+                                                                        monkeypatch):
+  """Beside a live trainer keeping one checkpoint, `mode=eval` listed ckpt-6, the trainer deleted
+  it for a newer one, and the evaluator called the run's checkpoints unreadable (exit 2, "move
+  them away"; found 2026-12-05). It lists again and reads the one that is there."""
+  workdir = _copy(trained, tmp_path)
+  checkpoints, hidden = workdir / "checkpoints", tmp_path / "newer"
+  hidden.mkdir()
+  for path in checkpoints.glob("ckpt-4.*"):  # Saved "later": not there when the reader lists.
+    path.rename(hidden / path.name)
+  for path in checkpoints.glob("ckpt-2.*"):
+    path.unlink()
+  real = checkpointing.restore_one
+
+  def trainer_saves_and_deletes_meanwhile(checkpoint, prefix, strategy):
+    if prefix.endswith("ckpt-6"):
+      for path in checkpoints.glob("ckpt-6.*"):
+        path.unlink()
+      for path in hidden.iterdir():
+        path.rename(checkpoints / path.name)
+      return "NotFoundError: ckpt-6.data-00000-of-00001; No such file or directory"
+    return real(checkpoint, prefix, strategy)
+  monkeypatch.setattr(checkpointing, "restore_one", trainer_saves_and_deletes_meanwhile)
+  result = run.run(_config(mode="eval"), str(workdir))
+  assert result["global_step"] == 4 and np.isfinite(result["eval"]["loss"])
+  assert not (checkpoints / "damaged").exists()
+
+
+def test_a_checkpoint_deleted_halfway_through_a_restore_is_not_another_model(tmp_path):
+  """TF's restore of a checkpoint whose files vanish halfway reports unmatched objects; that read
+  as 'does not match this config' (the reader-beside-trainer race above)."""
+  prefix = tf.train.Checkpoint(v=tf.Variable(1.0)).save(str(tmp_path / "ckpt"))
+
+  class Status:
+    def assert_existing_objects_matched(self):
+      raise AssertionError("Unresolved object in checkpoint")
+
+    def expect_partial(self):
+      pass
+
+  class DeletedWhileRead:
+    def restore(self, path):
+      for name in tf.io.gfile.glob(path + ".*"):
+        tf.io.gfile.remove(name)
+      return Status()
+  damage = checkpointing.restore_one(DeletedWhileRead(), prefix, tf.distribute.get_strategy())
+  assert damage == f"NotFoundError: {prefix} was deleted while read"
+  with pytest.raises(errors.ConfigError, match="does not match this config"):
+    prefix = tf.train.Checkpoint(v=tf.Variable(1.0)).save(str(tmp_path / "kept"))
+    checkpointing.restore_one(type("Other", (), {"restore": lambda self, p: Status()})(),
+                              prefix, tf.distribute.get_strategy())

@@ -18,6 +18,7 @@ same number. A run resumes its iterator only from the number it restored; if tha
 (a crash between the two saves), it skips the consumed batches instead, with a warning.
 """
 import os
+import time
 
 from absl import logging
 import tensorflow as tf
@@ -128,6 +129,8 @@ class CheckpointReadError(RuntimeError):
 # of another model raises AssertionError/ValueError instead: that is a config change, not damage.
 # Other TF errors (Unavailable, DeadlineExceeded, PermissionDenied, ResourceExhausted...) say the
 # storage failed, not the files: they must not send a good checkpoint to damaged/.
+_RELISTS = 10  # Times a reader lists the checkpoints again when one vanished while read.
+_DELETE_GRACE_S = 0.5
 _DAMAGE = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRangeError,
            tf.errors.InvalidArgumentError, IndexError, RuntimeError, EOFError)
 
@@ -149,6 +152,17 @@ def describe_error(error: BaseException) -> str:
   return f"{type(error).__name__}: {text[:120]}"
 
 
+def _vanished(prefix: str, damage: str) -> bool:
+  """Whether checkpoint `prefix`, which failed with `damage`, was deleted while read (its index
+  file gone; deletion removes the data file and the index one after the other)."""
+  if not damage.startswith("NotFoundError"):
+    return False
+  if not tf.io.gfile.exists(prefix + ".index"):
+    return True
+  time.sleep(_DELETE_GRACE_S)
+  return not tf.io.gfile.exists(prefix + ".index")
+
+
 def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool):
   """Restores the newest checkpoint in `directory` that reads back whole; returns its prefix.
 
@@ -160,13 +174,22 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   `errors.ConfigError` when checkpoints exist but none reads back (nothing is overwritten) or
   when one belongs to another config.
   """
-  candidates = _numbered(directory)
-  skipped = []
-  for number, prefix in candidates:
+  candidates, skipped = _numbered(directory), []
+  relists = 0
+  while candidates:
+    number, prefix = candidates.pop(0)
     damage = restore_one(checkpoint, prefix, strategy)
+    if damage and relists < _RELISTS and _vanished(prefix, damage):
+      # Deleted while read: a live trainer's CheckpointManager keeps only the newest few, and
+      # a reader beside it (mode=eval) lost the race. Not damage: list again (found 2026-12-05).
+      relists += 1
+      tried = {p for p, _ in skipped} | {prefix}
+      candidates = [(n, p) for n, p in _numbered(directory) if p not in tried]
+      continue
     if damage:
       skipped.append((prefix, damage))
       continue
+    candidates = _numbered(directory)
     if skipped:
       logging.warning("skipped damaged checkpoint(s) %s; resuming from %s",
                       "; ".join(f"{p} ({why})" for p, why in skipped), prefix)
@@ -205,6 +228,8 @@ def restore_one(checkpoint, prefix: str, strategy):
   except (AssertionError, ValueError) as e:
     if status is not None:  # Else TF warns about the unmatched values at exit, after our line.
       status.expect_partial()
+    if _vanished(prefix, "NotFoundError"):  # Deleted halfway through the read, not another model.
+      return f"NotFoundError: {prefix} was deleted while read"
     raise errors.ConfigError(
         f"the checkpoint {prefix} does not match this config (model, optimizer or "
         f"mixed_precision changed?); use a fresh `--workdir` ({type(e).__name__})") from None
