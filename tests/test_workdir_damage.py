@@ -213,7 +213,7 @@ def test_a_failed_move_of_a_complete_export_keeps_it(trained, tmp_path, monkeypa
   monkeypatch.setattr(export.tf.io.gfile, "rename", refuse)
   with pytest.raises(checkpointing.CheckpointWriteError, match="cannot move the complete export"):
     run.run(_config(mode="export"), str(workdir))
-  kept, = (workdir / "export").glob("6.partial-*")
+  kept, = (workdir / "export").glob("6.partial.*")
   assert (kept / "saved_model.pb").exists()
 
 
@@ -227,8 +227,8 @@ def test_an_export_beside_another_of_the_same_update_keeps_one_complete_copy(
   exports = workdir / "export"
   exports.mkdir(exist_ok=True)
   (exports / "6.partial").mkdir()  # An older microstep's, killed while exporting.
-  (exports / "6.partial-999999999").mkdir()  # A dead process's.
-  (exports / "6.partial-1").mkdir()  # A live process's (pid 1): left alone.
+  (exports / "6.partial.999999999").mkdir()  # A dead process's.
+  (exports / "6.partial.1").mkdir()  # A live process's (pid 1): left alone.
   real_rename = export.tf.io.gfile.rename
 
   def other_process_first(source, target, *args, **kwargs):
@@ -238,13 +238,13 @@ def test_an_export_beside_another_of_the_same_update_keeps_one_complete_copy(
     raise tf.errors.AlreadyExistsError(None, None, f"{target} exists")  # ...before ours.
   monkeypatch.setattr(export.tf.io.gfile, "rename", other_process_first)
   assert run.run(_config(mode="export"), str(workdir))["global_step"] == 6
-  assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial-1"]
+  assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial.1"]
   assert (exports / "6" / "saved_model.pb").exists()
   monkeypatch.setattr(export.tf.io.gfile, "rename", real_rename)
   before = (exports / "6" / "saved_model.pb").stat().st_mtime_ns
   run.run(_config(mode="export"), str(workdir))  # A complete copy in place is kept.
   assert (exports / "6" / "saved_model.pb").stat().st_mtime_ns == before
-  assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial-1"]
+  assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial.1"]
 
 
 def test_a_checkpoint_deleted_while_an_evaluator_reads_it_is_not_damage(trained, tmp_path,

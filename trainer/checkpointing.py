@@ -152,11 +152,9 @@ def describe_error(error: BaseException) -> str:
   return f"{type(error).__name__}: {text[:120]}"
 
 
-def _vanished(prefix: str, damage: str) -> bool:
-  """Whether checkpoint `prefix`, which failed with `damage`, was deleted while read (its index
-  file gone; deletion removes the data file and the index one after the other)."""
-  if not damage.startswith("NotFoundError"):
-    return False
+def _vanished(prefix: str) -> bool:
+  """Whether checkpoint `prefix`, whose read failed, was deleted meanwhile (its index file gone;
+  deletion removes the data file and the index one after the other)."""
   if not tf.io.gfile.exists(prefix + ".index"):
     return True
   time.sleep(_DELETE_GRACE_S)
@@ -179,7 +177,8 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   while candidates:
     number, prefix = candidates.pop(0)
     damage = restore_one(checkpoint, prefix, strategy)
-    if damage and relists < _RELISTS and _vanished(prefix, damage):
+    if (damage and damage.startswith("NotFoundError") and relists < _RELISTS
+        and _vanished(prefix)):
       # Deleted while read: a live trainer's CheckpointManager keeps only the newest few, and
       # a reader beside it (mode=eval) lost the race. Not damage: list again (found 2026-12-05).
       relists += 1
@@ -189,13 +188,13 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
     if damage:
       skipped.append((prefix, damage))
       continue
-    candidates = _numbered(directory)
     if skipped:
       logging.warning("skipped damaged checkpoint(s) %s; resuming from %s",
                       "; ".join(f"{p} ({why})" for p, why in skipped), prefix)
     if repair:
       try:
-        _repair(directory, [p for p, _ in skipped], [p for n, p in candidates if n <= number])
+        _repair(directory, [p for p, _ in skipped],
+                [p for n, p in _numbered(directory) if n <= number])
       except STORAGE_ERRORS as e:
         raise CheckpointWriteError(
             f"cannot set the damaged checkpoint(s) aside in {directory} ({describe_error(e)}); "
@@ -228,7 +227,7 @@ def restore_one(checkpoint, prefix: str, strategy):
   except (AssertionError, ValueError) as e:
     if status is not None:  # Else TF warns about the unmatched values at exit, after our line.
       status.expect_partial()
-    if _vanished(prefix, "NotFoundError"):  # Deleted halfway through the read, not another model.
+    if _vanished(prefix):  # Deleted halfway through the read, not another model's.
       return f"NotFoundError: {prefix} was deleted while read"
     raise errors.ConfigError(
         f"the checkpoint {prefix} does not match this config (model, optimizer or "

@@ -9,7 +9,8 @@ models without them (subclassed models). The files are written to a temporary di
 renamed into place, so `export/<update>` is either complete or absent. Local and gs:// workdirs
 alike (`tf.io.gfile`; on GCS a directory rename copies, so it is not atomic there).
 
-The temporary directory is `export/<update>.partial-<pid>`: a `mode=export` beside a trainer
+The temporary directory is `export/<update>.partial.<pid>` (as `workdir.write_atomically` names
+its files): a `mode=export` beside a trainer
 exporting the same update writes its own (with one shared name each deleted the other's files:
 a NotFound traceback). Temporary directories of processes no longer alive on this host (killed
 while exporting) are removed. An export of the same update that is already in place and
@@ -35,15 +36,15 @@ def _alive(pid: int) -> bool:
   except ProcessLookupError:
     return False
   except PermissionError:  # Alive, another user's.
-    return True
+    pass
   return True
 
 
 def _remove_stale_partials(final: str) -> None:
-  """Removes `final`.partial (older microstep) and `final`.partial-<pid> of dead processes."""
+  """Removes `final`.partial (older microstep) and `final`.partial.<pid> of dead processes."""
   for path in tf.io.gfile.glob(final + ".partial*"):
     suffix = path[len(final + ".partial"):]
-    if suffix == "" or (suffix.startswith("-") and suffix[1:].isdigit()
+    if suffix == "" or (suffix.startswith(".") and suffix[1:].isdigit()
                         and not _alive(int(suffix[1:]))):
       _remove(path)
 
@@ -55,7 +56,7 @@ def _complete(path: str) -> bool:
 def export_model(task, model, workdir: str, step: int) -> str:
   """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path."""
   final = os.path.join(workdir, "export", str(step))
-  partial = f"{final}.partial-{os.getpid()}"
+  partial = f"{final}.partial.{os.getpid()}"
   signature = task.serving_signature()
   try:
     _remove_stale_partials(final)

@@ -139,34 +139,43 @@ class Lock:
       self._file = None
 
 
+def _saved_config(path: str):
+  """(config.json as a dict, None), or (None, why it says nothing: a phrase after "its PATH").
+  Raises CheckpointReadError when the storage failed (not the file's fault; rerun later)."""
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      saved = json.load(f)
+  except tf.errors.NotFoundError:
+    return None, "is missing"
+  except ValueError as e:
+    return None, f"does not read back ({type(e).__name__})"
+  except tf.errors.OpError as e:
+    raise checkpointing.CheckpointReadError(
+        f"cannot read {path} ({type(e).__name__}); storage unavailable? Nothing was changed; "
+        "rerun to resume") from None
+  if not isinstance(saved, dict):
+    return None, "does not read back (ValueError)"  # (A JSON list or null: its old message.)
+  return saved, None
+
+
 def check_resume(config, workdir: str) -> None:
   """Refuses a restart whose config changes a field in RESUME_FIXED (unless allowed)."""
   path = os.path.join(workdir, "config.json")
   allowed = {a.strip() for a in str(config.allow_config_change).split(",") if a.strip()}
-  try:
-    with tf.io.gfile.GFile(path) as f:
-      saved = json.load(f)
-    if not isinstance(saved, dict):
-      raise ValueError(f"a JSON {type(saved).__name__}, not an object")
+  saved, problem = _saved_config(path)
+  if problem is None:
     missing = [f for f in RESUME_CORE if _field(saved, f) is None]
     if missing:  # `{}`, or keys deleted by hand: the guard would pass anything.
-      raise ValueError(f"an object without {', '.join(f'`{f}`' for f in missing)}")
-  except (ValueError, tf.errors.NotFoundError) as e:
-    problem = ("is missing" if isinstance(e, tf.errors.NotFoundError)
-               else f"does not read back ({e})" if str(e).startswith("an object without")
-               else f"does not read back ({type(e).__name__})")
+      problem = f"does not read back (an object without {', '.join(f'`{f}`' for f in missing)})"
+  if problem is not None:
     if UNCHECKED not in allowed:
       raise errors.ConfigError(
           f"resuming `--workdir`={workdir!r}: its {path} {problem}, so nothing says which config "
           "its checkpoints were trained with; restore the file, or resume unchecked with "
-          f"--config.allow_config_change={UNCHECKED}") from None
+          f"--config.allow_config_change={UNCHECKED}")
     logging.warning("resuming with %s that %s: the config is not checked (allow_config_change"
                     "=%s)", path, problem, UNCHECKED)
     return
-  except tf.errors.OpError as e:  # Storage unavailable: not the file's fault; rerun later.
-    raise checkpointing.CheckpointReadError(
-        f"cannot read {path} ({type(e).__name__}); storage unavailable? Nothing was changed; "
-        "rerun to resume") from None
   changed, unchecked = [], []
   for field in RESUME_FIXED:
     node = _field(saved, field)
