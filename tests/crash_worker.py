@@ -4,7 +4,11 @@ usage: python tests/crash_worker.py PHASE:STEP [trainer.main flags...]
 PHASE: before_write (nothing written), mid_write (a timer kills while files are written),
 after_files (files written, `checkpoint` index not yet updated), data_state (the main checkpoint
 complete, the input iterator's not yet written), disk_full (writing the files fails with
-ResourceExhaustedError, as on a full disk). STEP: the global step whose save dies. Production code is untouched; the patches live only in this process.
+ResourceExhaustedError, as on a full disk, after TF's scratch directory `ckpt-N_temp` got a
+file), dir_gone (the checkpoint directory is deleted while the save writes: NotFoundError),
+summary_disk_full (STEP ignored: creating a TensorBoard event file fails as on a full disk).
+STEP: the global step whose save dies. Production code is untouched; the patches live only in
+this process.
 """
 import os
 import random
@@ -33,7 +37,16 @@ def main():
     if file_prefix.endswith(f"ckpt-{step}"):
       data_state = "data_state" in file_prefix
       if phase == "disk_full" and not data_state:
-        raise tf.errors.ResourceExhaustedError(None, None, "No space left on device")
+        scratch = file_prefix + "_temp"  # What TF's sharded save has written when it fails.
+        tf.io.gfile.makedirs(scratch)
+        with tf.io.gfile.GFile(scratch + "/part-00000-of-00001.data-00000-of-00001", "w") as f:
+          f.write("x" * 1000)
+        raise tf.errors.ResourceExhaustedError(
+            None, None, f"{scratch}/part-00000-of-00001.data; No space left on device")
+      if phase == "dir_gone" and not data_state:
+        tf.io.gfile.rmtree(os.path.dirname(file_prefix))
+        raise tf.errors.NotFoundError(None, None,
+                                      f"{file_prefix}_temp; No such file or directory")
       if phase == "before_write" and not data_state or phase == "data_state" and data_state:
         _die()
       if phase == "mid_write" and not data_state:
@@ -46,6 +59,14 @@ def main():
       _die()
     return original_state(save_dir, model_checkpoint_path, *args, **kwargs)
 
+  def full_disk_writer(logdir, *args, **kwargs):
+    del args, kwargs
+    raise tf.errors.ResourceExhaustedError(
+        None, None, f"{logdir}/events.out.tfevents.1.host.1.v2; No space left on device\n"
+        "\tFlushing first event.\n\tCould not initialize events writer.")
+
+  if phase == "summary_disk_full":
+    tf.summary.create_file_writer = full_disk_writer
   checkpoint_lib.Checkpoint._write = write  # pylint: disable=protected-access
   checkpoint_management.update_checkpoint_state_internal = update_state
   from trainer import main as trainer_main  # pylint: disable=g-import-not-at-top

@@ -5,6 +5,7 @@ CLI runs go through `helpers.run_cli` or a Popen this test owns (ended by its PI
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from trainer import checkpointing
 from trainer import errors
 from trainer import exit_codes
 from trainer import run
+from trainer import workdir as workdir_lib
 
 RECIPE = "configs/fashion_mnist.py:smoke,synthetic"
 DETERMINISTIC = ("deterministic=True", "mode=train", "export_at_end=False", "steps_per_loop=2",
@@ -107,6 +109,9 @@ def test_two_runs_in_one_workdir_second_exits_2_first_finishes_bitwise(tmp_path)
   first = _popen(tmp_path / "shared", *DETERMINISTIC, *long_enough)
   try:
     _wait_for(first, "restoring or initializing model")
+    # Paused, so that it is still live (holding its lock) while the second starts, however
+    # fast it trains and slowly the second imports on a loaded machine.
+    os.kill(first.pid, signal.SIGSTOP)
     started = time.time()
     second = helpers.run_cli(tmp_path / "shared", RECIPE, "seed=1", *DETERMINISTIC,
                              *long_enough, timeout=60)
@@ -115,6 +120,7 @@ def test_two_runs_in_one_workdir_second_exits_2_first_finishes_bitwise(tmp_path)
     line = _error_line(second)
     assert "is in use by a live run (host" in line and f"pid {first.pid}," in line, line
   finally:
+    os.kill(first.pid, signal.SIGCONT)
     code, err = _finish(first)
   assert code == 0, err[-2000:]
   helpers.assert_same_weights(tmp_path / "solo", tmp_path / "shared")
@@ -206,20 +212,120 @@ def test_no_readable_checkpoint_is_one_line_and_nothing_is_overwritten(tmp_path)
   assert data.read_bytes() == b"\x00" * 10
 
 
-def test_a_full_disk_during_a_save_has_its_own_exit_code(tmp_path):
+def _crash_worker(tmp_path, phase, *overrides):
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
              PYTHONPATH=os.pathsep.join([helpers.REPO, helpers.TESTS]))
-  done = subprocess.run(
+  return subprocess.run(
       ["timeout", "-k", "5", "240", sys.executable, os.path.join(helpers.TESTS, "crash_worker.py"),
-       "disk_full:4", f"--config={helpers.REPO}/{RECIPE}", f"--workdir={tmp_path}",
-       "--config.train_steps=8"] + [f"--config.{o}" for o in DETERMINISTIC],
+       phase, f"--config={helpers.REPO}/{RECIPE}", f"--workdir={tmp_path}"]
+      + [f"--config.{o}" for o in DETERMINISTIC + overrides],
       cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=260, check=False)
+
+
+def test_a_full_disk_during_a_save_has_its_own_exit_code(tmp_path):
+  done = _crash_worker(tmp_path, "disk_full:4", "train_steps=8")
   assert done.returncode == exit_codes.CHECKPOINT_IO_EXIT_CODE, done.stderr[-2000:]
   line = _error_line(done)
   assert "cannot write a checkpoint" in line and "disk full?" in line and "ckpt-2" in line
+  assert "No space left on device" in line and "{{" not in line  # TF's cause, not its wrapping.
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   assert latest.endswith("ckpt-2")
   tf.train.load_checkpoint(latest)
+  # The failed save's scratch directory is gone: it held space the disk has not got.
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == [
+      "checkpoint", "ckpt-2.data-00000-of-00001", "ckpt-2.index"]
+
+
+def test_scratch_files_of_a_killed_save_are_removed_when_the_run_resumes(tmp_path):
+  first = helpers.run_cli(tmp_path, RECIPE, "train_steps=4", *DETERMINISTIC)
+  assert first.returncode == 0, first.stderr[-2000:]
+  # A save killed halfway (kill -9); a number this run never saves (TF would clean its own).
+  scratch = tmp_path / "checkpoints" / "ckpt-5_temp"
+  scratch.mkdir()
+  (scratch / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"x" * 1000)
+  keep = tmp_path / "checkpoints" / "notes_temp"  # Not TF's scratch: not ours to delete.
+  keep.mkdir()
+  second = helpers.run_cli(tmp_path, RECIPE, "train_steps=8", *DETERMINISTIC)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert not scratch.exists() and keep.is_dir()
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-8")
+
+
+def test_a_checkpoint_directory_deleted_during_a_save_is_one_line(tmp_path):
+  done = _crash_worker(tmp_path, "dir_gone:4", "train_steps=8")
+  assert done.returncode == exit_codes.CHECKPOINT_IO_EXIT_CODE, done.stderr[-2000:]
+  line = _error_line(done)
+  assert f"{tmp_path}/checkpoints is gone (deleted or moved" in line, line
+  assert "NotFoundError" in line
+
+
+def test_a_full_disk_while_writing_summaries_has_the_storage_exit(tmp_path):
+  done = _crash_worker(tmp_path, "summary_disk_full:0", "train_steps=4")
+  assert done.returncode == exit_codes.CHECKPOINT_IO_EXIT_CODE, done.stderr[-2000:]
+  line = _error_line(done)
+  assert line.startswith(f"cannot write to `--workdir`={tmp_path} "), line
+  assert "events.out.tfevents.1.host.1.v2; No space left on device)" in line, line
+  assert "disk full or read-only?" in line and "Could not initialize" not in line
+
+
+def test_only_full_or_read_only_storage_counts_as_a_storage_failure(tmp_path):
+  def failure(error):
+    return checkpointing.storage_write_failure(error, str(tmp_path))
+  assert failure(OSError(28, "No space left on device", "result.json")) is not None
+  assert failure(OSError(30, "Read-only file system")) is not None
+  assert failure(tf.errors.UnknownError(None, None, "x; Disk quota exceeded")) is not None
+  # A tensor that does not fit in memory is no storage problem; nor is a missing file.
+  assert failure(tf.errors.ResourceExhaustedError(
+      None, None, "OOM when allocating tensor with shape[1000000,1000000]")) is None
+  assert failure(OSError(2, "No such file or directory")) is None
+  assert failure(ValueError("No space left on device")) is None
+
+
+def test_a_workdir_moved_while_training_stops_the_run_without_a_directory_made_anew(tmp_path):
+  workdir, moved = tmp_path / "w", tmp_path / "moved"
+  long_enough = ("train_steps=600", "steps_per_loop=50", "checkpoint_every=50")
+  first = _popen(workdir, *DETERMINISTIC, *long_enough)
+  try:
+    _wait_for(first, "restoring or initializing model")
+    os.kill(first.pid, signal.SIGSTOP)  # Moved before its first loop ends, however fast.
+    os.rename(workdir, moved)
+  finally:
+    os.kill(first.pid, signal.SIGCONT)
+    code, err = _finish(first)
+  assert code == exit_codes.CHECKPOINT_IO_EXIT_CODE, err[-2000:]
+  line = err.strip().splitlines()[-1]
+  assert f"`--workdir`='{workdir}' was deleted or moved while this run used it" in line, line
+  assert "Traceback" not in err
+  # Before the check, its saves went on in a new `w/checkpoints` beside no config.json, where a
+  # rerun was refused and a second run could take the lock (found 2026-12-05). (Moved before
+  # the first loop, the TensorBoard writer, made lazily, still opens a new file there.)
+  assert not (workdir / "checkpoints").exists() and not (workdir / "config.json").exists()
+  shutil.rmtree(workdir, ignore_errors=True)
+  os.rename(moved, workdir)
+  again = helpers.run_cli(workdir, RECIPE, *DETERMINISTIC, *long_enough)
+  assert again.returncode == 0, again.stderr[-2000:]
+  assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith("ckpt-600")
+
+
+def test_an_atomic_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+  def full(*args, **kwargs):
+    raise tf.errors.ResourceExhaustedError(None, None, "x; No space left on device")
+  monkeypatch.setattr(tf.io.gfile, "rename", full)
+  with pytest.raises(tf.errors.ResourceExhaustedError):
+    workdir_lib.write_atomically(str(tmp_path / "result.json"), "{}")
+  assert os.listdir(tmp_path) == []
+
+
+def test_error_descriptions_drop_tensorflows_wrapping_and_keep_the_cause():
+  error = tf.errors.ResourceExhaustedError(
+      None, None, "{{function_node __wrapped__SaveV2_dtypes_39_device_/job:localhost/replica:0/"
+      "task:0/device:CPU:0}} /w/checkpoints/ckpt-17_temp/part-00000-of-00001.data-00000-of-00001"
+      ".tempstate154437642534945375; No space left on device [Op:SaveV2]\n\tmore context")
+  text = checkpointing.describe_error(error)
+  assert text.startswith("ResourceExhaustedError: /w/checkpoints/ckpt-17_temp/"), text
+  assert text.endswith("; No space left on device"), text
+  long = checkpointing.describe_error(OSError("a" * 100 + " middle " + "b" * 100 + " cause"))
+  assert len(long) < 200 and long.endswith("b cause") and " ... " in long
 
 
 # -------------------------------------------------------------------------- resume guard -------

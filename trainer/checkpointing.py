@@ -17,7 +17,9 @@ each worker keeps its own iterator checkpoints, written right after the main che
 same number. A run resumes its iterator only from the number it restored; if that one is missing
 (a crash between the two saves), it skips the consumed batches instead, with a warning.
 """
+import errno
 import os
+import re
 import time
 
 from absl import logging
@@ -39,19 +41,42 @@ class _ManagerWithDataState(tf.train.CheckpointManager):
   def __init__(self, *args, data_manager=None, **kwargs):
     super().__init__(*args, **kwargs)
     self._data_manager = data_manager
+    self.before_save = lambda: None  # E.g. the workdir lock's `check_held` (trainer.run).
 
   def save(self, checkpoint_number=None, check_interval=True, options=None):
+    self.before_save()
     try:
       path = super().save(checkpoint_number=checkpoint_number, check_interval=check_interval,
                           options=options)
       if path and self._data_manager is not None:
         self._data_manager.save(checkpoint_number=int(path.rsplit("-", 1)[1]), options=options)
-    except STORAGE_ERRORS as e:
-      previous = self.latest_checkpoint or "none"
+    except (*STORAGE_ERRORS, tf.errors.NotFoundError) as e:
+      if not tf.io.gfile.isdir(self.directory):  # Deleted or moved while the run wrote to it.
+        raise CheckpointWriteError(
+            f"cannot write a checkpoint: {self.directory} is gone (deleted or moved while the "
+            f"run was writing to it; {describe_error(e)}); restore it and rerun to resume from "
+            "its newest checkpoint, or rerun to start over") from None
+      for directory in [self.directory] + ([self._data_manager.directory]
+                                           if self._data_manager is not None else []):
+        remove_partial_saves(directory)  # Give back the space the failed save took.
       raise CheckpointWriteError(
           f"cannot write a checkpoint to {self.directory} ({describe_error(e)}); disk full? The "
-          f"latest checkpoint is still {previous}: free space and rerun to resume") from None
+          f"latest checkpoint is still {self.latest_checkpoint or 'none'}: free space and rerun "
+          "to resume") from None
     return path
+
+
+def remove_partial_saves(directory: str) -> None:
+  """Deletes `ckpt-N_temp` directories in `directory`: TensorFlow's scratch space of a sharded
+  save, left behind by a save that failed or was killed (never part of a checkpoint). Call only
+  from the process that writes `directory` (the lock holder), or it may cut a live save short."""
+  for path in tf.io.gfile.glob(os.path.join(directory, "ckpt-*_temp")):
+    if re.fullmatch(r"ckpt-\d+_temp", os.path.basename(path)):
+      try:
+        tf.io.gfile.rmtree(path)
+        logging.info("removed %s, the scratch files of an unfinished checkpoint save", path)
+      except tf.errors.OpError as e:
+        logging.warning("could not remove %s (%s)", path, describe_error(e))
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -147,9 +172,39 @@ def _numbered(directory: str) -> list:
 
 
 def describe_error(error: BaseException) -> str:
-  """`Type: message`, on one line and cut to 120 characters (for one-line errors)."""
-  text = " ".join(str(error).split())
-  return f"{type(error).__name__}: {text[:120]}"
+  """`Type: message` on one line for one-line errors: the message's first line (a TensorFlow
+  message's cause, e.g. `path; No space left on device`; later lines are context), without
+  TensorFlow's `{{function_node ...}}` and `[Op:...]` wrapping, cut in the middle when long."""
+  lines = [line for line in str(error).splitlines() if line.strip()] or [""]
+  text = " ".join(lines[0].split())
+  text = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:[^\]]*\]", "", text).strip()
+  if len(text) > 160:
+    text = f"{text[:60]} ... {text[-95:]}"
+  return f"{type(error).__name__}: {text}"
+
+
+# A write that failed for want of room or write access, by text (TF errors) or errno (Python):
+# not a tensor allocation (ResourceExhausted "OOM when allocating"), which is no storage problem.
+_FULL_OR_READ_ONLY = ("No space left on device", "Disk quota exceeded", "Read-only file system")
+_FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def storage_write_failure(error: BaseException, workdir: str):
+  """One line for a write to `workdir` that failed because its storage is full or read-only
+  (a TensorBoard summary, `result.json`, ...: checkpoints and exports have their own lines), or
+  None for any other error. Eager, host."""
+  if not isinstance(error, (tf.errors.OpError, OSError)):
+    return None
+  if not (getattr(error, "errno", None) in _FULL_OR_READ_ONLY_ERRNOS
+          or any(cause in str(error) for cause in _FULL_OR_READ_ONLY)):
+    return None
+  try:
+    latest = tf.train.latest_checkpoint(checkpoint_dir(workdir))
+  except (tf.errors.OpError, ValueError):
+    latest = None
+  return (f"cannot write to `--workdir`={workdir} ({describe_error(error)}); disk full or "
+          f"read-only? The latest checkpoint is {latest or 'none'}: free space and rerun to "
+          "resume")
 
 
 def _vanished(prefix: str) -> bool:

@@ -16,8 +16,10 @@ any other non-zero code is for a person to read.
                        `config.peer_timeout_s` is different: TF blocks in C++ then, so a watchdog
                        prints one line and SIGKILLs the worker (exit -9/137, not restarted).
   CHECKPOINT_IO_EXIT_CODE  (74, EX_IOERR) a checkpoint could not be written (disk full,
-                       permissions: the previous checkpoint is still the latest) or read for a
-                       reason other than damage (storage unavailable: nothing was moved).
+                       permissions, its directory deleted: the previous checkpoint is still the
+                       latest) or read for a reason other than damage (storage unavailable:
+                       nothing was moved), or another workdir file (a TensorBoard summary,
+                       result.json, an export) could not be written on a full or read-only disk.
   INTERRUPTED_EXIT_CODE  (130) Ctrl-C (SIGINT): a checkpoint was written if there was progress;
                        rerun to resume. Not restarted by the launchers: a person asked to stop.
 

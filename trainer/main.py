@@ -4,8 +4,9 @@ Override any field with `--config.FIELD=VALUE` (e.g. `--config.accumulation.step
 failure is one line on stderr, `microstep: error: ...`, with an exit code the launchers act on
 (`trainer/exit_codes.py`): 0 done; 2 bad config, data, workdir or task; 3 too many non-finite
 updates; 42 preempted (SIGTERM: checkpoint written, rerun to resume); 43 a multi-worker peer was
-lost; 74 a checkpoint could not be written or read (storage); 130 interrupted (Ctrl-C:
-checkpoint written).
+lost; 74 storage: a checkpoint could not be written or read, or another workdir file (a
+TensorBoard summary, result.json) not written on a full or read-only disk; 130 interrupted
+(Ctrl-C: checkpoint written).
 
 A config file outside the repository may name a task in a module beside it
 (`config.task = "my_task:MyTask"`): the config file's directory is importable, as is the
@@ -50,6 +51,7 @@ def main(argv):
   if len(argv) > 1:
     flag_errors.fail(f"unexpected arguments {argv[1:]}; use --config.FIELD=VALUE overrides")
   logging.set_verbosity(logging.INFO)
+  import tensorflow as tf
   from trainer import checkpointing, errors, preemption, run
   failure = None
   try:
@@ -62,6 +64,11 @@ def main(argv):
     failure = (str(e), exit_codes.PEER_LOST_EXIT_CODE)
   except (checkpointing.CheckpointWriteError, checkpointing.CheckpointReadError) as e:
     failure = (str(e), exit_codes.CHECKPOINT_IO_EXIT_CODE)
+  except (tf.errors.OpError, OSError) as e:  # E.g. a TensorBoard summary on a full disk.
+    message = checkpointing.storage_write_failure(e, _WORKDIR.value)
+    if message is None:
+      raise
+    failure = (message, exit_codes.CHECKPOINT_IO_EXIT_CODE)
   if failure:
     # The failed run's objects go first, so that what their destructors log (e.g. TensorFlow
     # on a checkpoint it could not restore) comes before the error line, which stays last.

@@ -29,8 +29,10 @@ class PeerLostError(RuntimeError):
 class PreemptionWatcher:
   """Orbit train action: checkpoint and stop once a signal was noted (eager, cross-replica)."""
 
-  def __init__(self, strategy, checkpoint_manager, global_step):
+  def __init__(self, strategy, checkpoint_manager, global_step, every_loop=lambda: None):
+    """`every_loop`: called first at each loop end (e.g. the workdir lock's `check_held`)."""
     self._strategy, self._manager, self._global_step = strategy, checkpoint_manager, global_step
+    self._every_loop = every_loop
     self._sum_flags = None
 
   @contextlib.contextmanager
@@ -52,6 +54,7 @@ class PreemptionWatcher:
     return signal.SIGTERM if term > 0 else (signal.SIGINT if interrupt > 0 else 0)
 
   def __call__(self, train_output) -> None:  # pylint: disable=unused-argument
+    self._every_loop()
     signum = self._anyone_signalled()
     if not signum:
       return

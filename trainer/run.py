@@ -168,6 +168,9 @@ def build(config, workdir, task=None):
   if chief and training:  # Only once the workdir is known to fit this config.
     workdir_lib.write_atomically(os.path.join(workdir, "config.json"),
                                  config.to_json_best_effort(indent=2))
+    checkpointing.remove_partial_saves(checkpoints)  # Of a save that was killed or failed.
+  if training:  # Each worker writes (and holds the lock of) its own iterator checkpoints.
+    checkpointing.remove_partial_saves(checkpointing.data_state_dir(workdir, worker_id))
 
   start = int(trainer.micro_batches_seen.numpy())
   iterator = None
@@ -215,12 +218,13 @@ def run(config, workdir: str, task=None) -> dict:
   """
   workdir_lib.check_writable(workdir)
   lock = strategies.task_key(config) if config.mode in TRAINING_MODES else config.mode
-  with workdir_lib.Lock(workdir, lock):
-    return _run(config, workdir, task)
+  with workdir_lib.Lock(workdir, lock) as held:
+    return _run(config, workdir, task, held)
 
 
-def _run(config, workdir: str, task) -> dict:
+def _run(config, workdir: str, task, lock) -> dict:
   strategy, trainer, evaluator, manager, eval_steps = build(config, workdir, task)
+  manager.before_save = lock.check_held
   chief = strategies.worker_role(strategy)[0]
   if config.mode in ("eval", "continuous_eval") and evaluator is None:
     raise errors.ConfigError(f"`mode`={config.mode} but the task's eval_data() is None; "
@@ -230,7 +234,8 @@ def _run(config, workdir: str, task) -> dict:
         f"`mode`={config.mode} but `--workdir`={workdir!r} holds no checkpoint (in "
         f"{checkpointing.checkpoint_dir(workdir)}); train first, or check the path")
   summaries = os.path.join(workdir, "summaries")
-  watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step)
+  watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step,
+                                         every_loop=lock.check_held)
   training = config.mode in TRAINING_MODES
   controller_class = orbit.Controller if training else functools.partial(
       reading_controller.ReadingController, restored=trainer.restored_checkpoint)
@@ -284,8 +289,8 @@ def _run(config, workdir: str, task) -> dict:
   result = _strict_json(result)
   if chief:  # An evaluator beside a trainer keeps its own result file.
     name = "result.json" if training else f"result.{config.mode}.json"
-    with tf.io.gfile.GFile(os.path.join(workdir, name), "w") as f:
-      json.dump(result, f, indent=2, allow_nan=False)
+    workdir_lib.write_atomically(os.path.join(workdir, name),
+                                 json.dumps(result, indent=2, allow_nan=False))
   else:
     shutil.rmtree(manager.directory, ignore_errors=True)
   return result

@@ -46,9 +46,14 @@ UNCHECKED = "unchecked"
 def write_atomically(path: str, text: str) -> None:
   """Writes `text` to `path` so that a kill at any moment leaves the old file or the new one."""
   partial = f"{path}.partial.{os.getpid()}"
-  with tf.io.gfile.GFile(partial, "w") as f:
-    f.write(text)
-  tf.io.gfile.rename(partial, path, overwrite=True)
+  try:
+    with tf.io.gfile.GFile(partial, "w") as f:
+      f.write(text)
+    tf.io.gfile.rename(partial, path, overwrite=True)
+  except (tf.errors.OpError, OSError):  # E.g. a full disk: leave no partial file behind.
+    if tf.io.gfile.exists(partial):
+      tf.io.gfile.remove(partial)
+    raise
 
 
 def _field(config, dotted: str):
@@ -130,6 +135,26 @@ class Lock:
     handle.flush()
     self._file = handle
     return self
+
+  def check_held(self) -> None:
+    """Raises CheckpointWriteError when the lock file this run holds is no longer at its path:
+    the workdir was deleted or moved (or the lock file removed) while the run used it. Its
+    later saves would go to a directory made anew, beside no config.json, and a second run
+    could take the lock there. Eager, host; a stat, cheap enough for every loop."""
+    if self._file is None:
+      return
+    held = os.fstat(self._file.fileno())
+    try:
+      now = os.stat(self.path)
+      same = (now.st_ino, now.st_dev) == (held.st_ino, held.st_dev)
+    except OSError:
+      same = False
+    if not same:
+      raise checkpointing.CheckpointWriteError(
+          f"`--workdir`={os.path.dirname(self.path)!r} was deleted or moved while this run used "
+          f"it (its lock file {os.path.basename(self.path)} is gone or another one); stopped "
+          "without saving, so that the run does not go on in a directory made anew: put the "
+          "workdir back and rerun to resume from its newest checkpoint")
 
   def __exit__(self, *exc):
     if self._file is not None:
