@@ -265,7 +265,8 @@ def test_a_full_disk_while_writing_summaries_has_the_storage_exit(tmp_path):
   line = _error_line(done)
   assert line.startswith(f"cannot write to `--workdir`={tmp_path} "), line
   assert "events.out.tfevents.1.host.1.v2; No space left on device)" in line, line
-  assert "disk full or read-only?" in line and "Could not initialize" not in line
+  assert "; disk full? The latest checkpoint is none" in line, line
+  assert "Could not initialize" not in line
 
 
 def test_only_full_or_read_only_storage_counts_as_a_storage_failure(tmp_path):
@@ -279,6 +280,15 @@ def test_only_full_or_read_only_storage_counts_as_a_storage_failure(tmp_path):
       None, None, "OOM when allocating tensor with shape[1000000,1000000]")) is None
   assert failure(OSError(2, "No such file or directory")) is None
   assert failure(ValueError("No space left on device")) is None
+  # The one-line errors guess the cause from the error, not always "disk full?".
+  hint = checkpointing.storage_hint
+  assert hint(OSError(28, "No space left on device")) == "disk full?"
+  assert hint(OSError(30, "Read-only file system")) == "read-only file system?"
+  assert hint(tf.errors.PermissionDeniedError(None, None, "x; Permission denied")) == (
+      "no write permission?")
+  assert hint(tf.errors.UnknownError(None, None, "x; Operation not permitted")) == (
+      "no write permission?")
+  assert hint(tf.errors.UnknownError(None, None, "x; Input/output error")) == "storage failing?"
 
 
 def test_a_workdir_moved_while_training_stops_the_run_without_a_directory_made_anew(tmp_path):

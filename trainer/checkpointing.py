@@ -60,9 +60,9 @@ class _ManagerWithDataState(tf.train.CheckpointManager):
                                            if self._data_manager is not None else []):
         remove_partial_saves(directory)  # Give back the space the failed save took.
       raise CheckpointWriteError(
-          f"cannot write a checkpoint to {self.directory} ({describe_error(e)}); disk full? The "
-          f"latest checkpoint is still {self.latest_checkpoint or 'none'}: free space and rerun "
-          "to resume") from None
+          f"cannot write a checkpoint to {self.directory} ({describe_error(e)}); "
+          f"{storage_hint(e)} The latest checkpoint is still {self.latest_checkpoint or 'none'}: "
+          "fix that and rerun to resume") from None
     return path
 
 
@@ -189,6 +189,20 @@ _FULL_OR_READ_ONLY = ("No space left on device", "Disk quota exceeded", "Read-on
 _FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
+def storage_hint(error: BaseException) -> str:
+  """A guess at the cause of a failed write, for its one-line error: `disk full?`, ..."""
+  text = str(error)
+  if isinstance(error, tf.errors.PermissionDeniedError) or "Permission denied" in text or (
+      "Operation not permitted" in text):
+    return "no write permission?"
+  if "Read-only file system" in text or getattr(error, "errno", None) == errno.EROFS:
+    return "read-only file system?"
+  if isinstance(error, tf.errors.ResourceExhaustedError) or any(
+      cause in text for cause in _FULL_OR_READ_ONLY):
+    return "disk full?"
+  return "storage failing?"
+
+
 def storage_write_failure(error: BaseException, workdir: str):
   """One line for a write to `workdir` that failed because its storage is full or read-only
   (a TensorBoard summary, `result.json`, ...: checkpoints and exports have their own lines), or
@@ -202,9 +216,9 @@ def storage_write_failure(error: BaseException, workdir: str):
     latest = tf.train.latest_checkpoint(checkpoint_dir(workdir))
   except (tf.errors.OpError, ValueError):
     latest = None
-  return (f"cannot write to `--workdir`={workdir} ({describe_error(error)}); disk full or "
-          f"read-only? The latest checkpoint is {latest or 'none'}: free space and rerun to "
-          "resume")
+  return (f"cannot write to `--workdir`={workdir} ({describe_error(error)}); "
+          f"{storage_hint(error)} The latest checkpoint is {latest or 'none'}: fix that and "
+          "rerun to resume")
 
 
 def _vanished(prefix: str) -> bool:

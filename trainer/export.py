@@ -75,8 +75,9 @@ def export_model(task, model, workdir: str, step: int) -> str:
     except checkpointing.STORAGE_ERRORS:
       pass
     raise checkpointing.CheckpointWriteError(
-        f"cannot write the export {final} ({checkpointing.describe_error(e)}); disk full? The "
-        "checkpoints are intact: free space and rerun with `mode=export`") from None
+        f"cannot write the export {final} ({checkpointing.describe_error(e)}); "
+        f"{checkpointing.storage_hint(e)} The checkpoints are intact: fix that and rerun with "
+        "`mode=export`") from None
   try:
     if _complete(final):  # Another process (or an earlier run) exported this update.
       _remove(partial)
