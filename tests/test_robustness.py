@@ -331,10 +331,10 @@ def test_error_descriptions_drop_tensorflows_wrapping_and_keep_the_cause():
       None, None, "{{function_node __wrapped__SaveV2_dtypes_39_device_/job:localhost/replica:0/"
       "task:0/device:CPU:0}} /w/checkpoints/ckpt-17_temp/part-00000-of-00001.data-00000-of-00001"
       ".tempstate154437642534945375; No space left on device [Op:SaveV2]\n\tmore context")
-  text = checkpointing.describe_error(error)
+  text = errors.describe_error(error)
   assert text.startswith("ResourceExhaustedError: /w/checkpoints/ckpt-17_temp/"), text
   assert text.endswith("; No space left on device"), text
-  long = checkpointing.describe_error(OSError("a" * 100 + " middle " + "b" * 100 + " cause"))
+  long = errors.describe_error(OSError("a" * 100 + " middle " + "b" * 100 + " cause"))
   assert len(long) < 200 and long.endswith("b cause") and " ... " in long
 
 

@@ -46,7 +46,9 @@ handle: microstep pads the last evaluation batch itself and gives padded rows we
   * a `tf.data` factory: a callable `f()` or `f(input_context)` returning a `tf.data.Dataset` of
     single examples (dicts of tensors), e.g. TFRecord files or `tfds.load`. microstep shards it
     (when `f` takes no argument), repeats and batches it for training, and stores the iterator
-    with each checkpoint (`config.data.resume`); see docs/tasks.md for the rules per strategy.
+    with each checkpoint where TensorFlow can save it (`config.data.resume`; not with a
+    py_function, from_generator or unseeded random ops: then a restart skips what was
+    consumed); see docs/tasks.md for the rules per strategy.
 
 Errors in your data are yours to describe: raise `DataError` with one line naming what is wrong,
 and microstep prints that line and exits with code 2.

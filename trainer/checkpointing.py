@@ -54,13 +54,13 @@ class _ManagerWithDataState(tf.train.CheckpointManager):
       if not tf.io.gfile.isdir(self.directory):  # Deleted or moved while the run wrote to it.
         raise CheckpointWriteError(
             f"cannot write a checkpoint: {self.directory} is gone (deleted or moved while the "
-            f"run was writing to it; {describe_error(e)}); restore it and rerun to resume from "
+            f"run was writing to it; {errors.describe_error(e)}); restore it and rerun to resume from "
             "its newest checkpoint, or rerun to start over") from None
       for directory in [self.directory] + ([self._data_manager.directory]
                                            if self._data_manager is not None else []):
         remove_partial_saves(directory)  # Give back the space the failed save took.
       raise CheckpointWriteError(
-          f"cannot write a checkpoint to {self.directory} ({describe_error(e)}); "
+          f"cannot write a checkpoint to {self.directory} ({errors.describe_error(e)}); "
           f"{storage_hint(e)} The latest checkpoint is still {self.latest_checkpoint or 'none'}: "
           "fix that and rerun to resume") from None
     return path
@@ -76,7 +76,7 @@ def remove_partial_saves(directory: str) -> None:
         tf.io.gfile.rmtree(path)
         logging.info("removed %s, the scratch files of an unfinished checkpoint save", path)
       except tf.errors.OpError as e:
-        logging.warning("could not remove %s (%s)", path, describe_error(e))
+        logging.warning("could not remove %s (%s)", path, errors.describe_error(e))
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -134,7 +134,7 @@ def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int,
     _data_checkpoint(data_iterator, list(layout)).restore(path).assert_existing_objects_matched()
   except (*_DAMAGE, tf.errors.OpError, AssertionError, ValueError) as e:
     logging.warning("the input iterator of update %d does not read back (%s): skipping the "
-                    "consumed batches instead", step, describe_error(e))
+                    "consumed batches instead", step, errors.describe_error(e))
     return False
   logging.info("restored the input iterator of update %d from %s", step, path)
   return True
@@ -171,18 +171,6 @@ def _numbered(directory: str) -> list:
   return sorted(found, reverse=True)
 
 
-def describe_error(error: BaseException) -> str:
-  """`Type: message` on one line for one-line errors: the message's first line (a TensorFlow
-  message's cause, e.g. `path; No space left on device`; later lines are context), without
-  TensorFlow's `{{function_node ...}}` and `[Op:...]` wrapping, cut in the middle when long."""
-  lines = [line for line in str(error).splitlines() if line.strip()] or [""]
-  text = " ".join(lines[0].split())
-  text = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:[^\]]*\]", "", text).strip()
-  if len(text) > 160:
-    text = f"{text[:60]} ... {text[-95:]}"
-  return f"{type(error).__name__}: {text}"
-
-
 # A write that failed for want of room or write access, by text (TF errors) or errno (Python):
 # not a tensor allocation (ResourceExhausted "OOM when allocating"), which is no storage problem.
 _FULL_OR_READ_ONLY = ("No space left on device", "Disk quota exceeded", "Read-only file system")
@@ -212,13 +200,18 @@ def storage_write_failure(error: BaseException, workdir: str):
   if not (getattr(error, "errno", None) in _FULL_OR_READ_ONLY_ERRNOS
           or any(cause in str(error) for cause in _FULL_OR_READ_ONLY)):
     return None
+  return (f"cannot write to `--workdir`={workdir} ({errors.describe_error(error)}); "
+          f"{storage_hint(error)} The latest checkpoint is {latest_checkpoint(workdir) or 'none'}"
+          ": fix that and rerun to resume")
+
+
+def latest_checkpoint(workdir: str):
+  """The latest checkpoint's prefix in `workdir` for an error line, or None (also when it
+  cannot be read). Eager, host."""
   try:
-    latest = tf.train.latest_checkpoint(checkpoint_dir(workdir))
+    return tf.train.latest_checkpoint(checkpoint_dir(workdir))
   except (tf.errors.OpError, ValueError):
-    latest = None
-  return (f"cannot write to `--workdir`={workdir} ({describe_error(error)}); "
-          f"{storage_hint(error)} The latest checkpoint is {latest or 'none'}: fix that and "
-          "rerun to resume")
+    return None
 
 
 def _vanished(prefix: str) -> bool:
@@ -266,7 +259,7 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
                 [p for n, p in _numbered(directory) if n <= number])
       except STORAGE_ERRORS as e:
         raise CheckpointWriteError(
-            f"cannot set the damaged checkpoint(s) aside in {directory} ({describe_error(e)}); "
+            f"cannot set the damaged checkpoint(s) aside in {directory} ({errors.describe_error(e)}); "
             "read-only or full? Nothing was lost: make it writable and rerun") from None
     return prefix
   if skipped:
@@ -286,13 +279,13 @@ def restore_one(checkpoint, prefix: str, strategy):
       status = checkpoint.restore(prefix)
       status.assert_existing_objects_matched()
   except _DAMAGE as e:
-    return describe_error(e)
+    return errors.describe_error(e)
   except tf.errors.OpError as e:
     if type(e) is not tf.errors.OpError:  # Bare OpError: the reader's checksum mismatch.
       raise CheckpointReadError(
-          f"cannot read the checkpoint {prefix} ({describe_error(e)}); storage unavailable? "
+          f"cannot read the checkpoint {prefix} ({errors.describe_error(e)}); storage unavailable? "
           "Nothing was moved; rerun to resume") from None
-    return describe_error(e)
+    return errors.describe_error(e)
   except (AssertionError, ValueError) as e:
     if status is not None:  # Else TF warns about the unmatched values at exit, after our line.
       status.expect_partial()

@@ -23,7 +23,9 @@ functions run inside tf.data (traced, host CPU), once per input pipeline, and ar
 import dataclasses
 import inspect
 import os
+import re
 import sys
+import traceback
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -129,8 +131,8 @@ def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
   dtypes = [tf.as_dtype(first[n].dtype) for n in names]
 
   def read(ids):
-    records = [indexable[int(i)] for i in ids]
-    return [_column(records, ids, n, first[n].dtype, what) for n in names]
+    records = [_record(indexable, int(i), names, what) for i in ids]
+    return [_column(records, ids, n, first[n], what) for n in names]
 
   def take(ids, positions):
     del positions
@@ -140,9 +142,49 @@ def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
   return base_task.ExampleSource(num_examples=size, take=take)
 
 
-def _column(records, ids, name, dtype, what):
-  """Field `name` of `records` stacked, in `dtype` (record 0's; strings of any length)."""
+def _record(indexable, i: int, names, what):
+  """Record `i` of a user's indexable, with record 0's fields. Host, inside tf.numpy_function:
+  whatever the user's `__getitem__` raises (an OSError of its storage, an IndexError of a wrong
+  `__len__`, a KeyError of its own code) becomes one line naming the record and where it was
+  raised, instead of a TensorFlow error wrapping a Python traceback (an IndexError would even
+  read as the end of the data)."""
+  try:
+    record = indexable[i]
+  except errors.MicrostepError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (the user's code: any error)
+    raise errors.DataError(f"{what}[{i}] raised {errors.describe_error(e)}{_raised_at(e)}; "
+                           "fix the record or its source and rerun (it resumes from the latest "
+                           "checkpoint)") from None
+  if not isinstance(record, dict):
+    raise errors.DataError(f"{what}[{i}] is a {type(record).__name__}; records must be dicts of "
+                           "arrays, as record 0 is")
+  missing = [n for n in names if n not in record]
+  if missing:
+    raise errors.DataError(f"{what}[{i}] lacks the field(s) {', '.join(map(repr, missing))} "
+                           f"that record 0 has; every record needs {', '.join(map(repr, names))}")
+  return record
+
+
+def _raised_at(error: BaseException) -> str:
+  """` (file.py:LINE in function)`: the innermost frame of `error`'s traceback, or ''."""
+  frames = traceback.extract_tb(error.__traceback__)
+  if not frames:
+    return ""
+  frame = frames[-1]
+  return f" ({os.path.basename(frame.filename)}:{frame.lineno} in {frame.name})"
+
+
+def _column(records, ids, name, first, what):
+  """Field `name` of `records` stacked in the dtype of `first` (record 0's values of the field,
+  with a leading axis of 1; strings of any length); a record of another shape is one line."""
   values = [np.asarray(r[name]) for r in records]
+  for i, value in zip(ids, values):
+    if value.shape != first.shape[1:]:
+      raise errors.DataError(
+          f"{what}[{int(i)}] field {name!r} has shape {value.shape} where record 0's has "
+          f"{first.shape[1:]}; give the field one shape in every record (pad or crop it)")
+  dtype = first.dtype
   if dtype.kind in "US":
     return np.stack(values)  # (Casting to record 0's '<U3' would cut longer strings.)
   for i, value in zip(ids, values):
@@ -343,6 +385,26 @@ def factory_eval_stream(input_context, factory: DatasetFactory,
     batches = (batches.concatenate(empty.repeat(local - 1))
                .batch(local, drop_remainder=True).unbatch())
   return _with_options(batches)
+
+
+def unsaveable_state(iterator) -> Optional[str]:
+  """Why TensorFlow cannot checkpoint `iterator` (a `tf.data` iterator), or None if it can.
+
+  A pipeline whose state lives outside TensorFlow cannot be saved: `tf.py_function`,
+  `tf.numpy_function`, `Dataset.from_generator` (Python state), stateful random ops
+  (`tf.random.uniform`, `tf.image.random_flip_left_right`, a `tf.random.Generator`), and
+  datasets without serialisation. Saving then fails; this tries it once, eagerly, on the host,
+  into TensorFlow's in-memory file system, before the run depends on it.
+  """
+  probe = f"ram://microstep_iterator_probe_{os.getpid()}_{id(iterator)}"
+  try:
+    tf.train.Checkpoint(iterator=iterator).write(probe + "/ckpt")
+  except (tf.errors.FailedPreconditionError, tf.errors.UnimplementedError) as e:
+    return re.sub(r"\.?\s*name:.*$", "", errors.describe_error(e).split(": ", 1)[-1])
+  finally:
+    if tf.io.gfile.exists(probe):
+      tf.io.gfile.rmtree(probe)
+  return None
 
 
 class HostIterator:

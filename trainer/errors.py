@@ -5,6 +5,7 @@ import cycles. `MicrostepError.ag_pass_through` asks AutoGraph to let these erro
 unchanged when they are raised while a tf.function is traced (it would otherwise wrap them in a
 multi-line `StagingError`).
 """
+import re
 
 
 class MicrostepError(ValueError):
@@ -22,3 +23,15 @@ class DataError(MicrostepError):
 
 class TaskError(MicrostepError):
   """A task broke the `trainer.base_task` contract (e.g. a loss of the wrong shape)."""
+
+
+def describe_error(error: BaseException) -> str:
+  """`Type: message` on one line for one-line errors: the message's first line (a TensorFlow
+  message's cause, e.g. `path; No space left on device`; later lines are context), without
+  TensorFlow's `{{function_node ...}}` and `[Op:...]` wrapping, cut in the middle when long."""
+  lines = [line for line in str(error).splitlines() if line.strip()] or [""]
+  text = " ".join(lines[0].split())
+  text = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:[^\]]*\]", "", text).strip()
+  if len(text) > 160:
+    text = f"{text[:60]} ... {text[-95:]}"
+  return f"{type(error).__name__}: {text}"

@@ -75,7 +75,7 @@ def export_model(task, model, workdir: str, step: int) -> str:
     except checkpointing.STORAGE_ERRORS:
       pass
     raise checkpointing.CheckpointWriteError(
-        f"cannot write the export {final} ({checkpointing.describe_error(e)}); "
+        f"cannot write the export {final} ({errors.describe_error(e)}); "
         f"{checkpointing.storage_hint(e)} The checkpoints are intact: fix that and rerun with "
         "`mode=export`") from None
   try:

@@ -83,17 +83,36 @@ _UNEVEN_SHAPES = re.compile(
 TRAINING_MODES = ("train", "train_and_eval")
 
 
-def _rejected_batch(message: str) -> str:
-  """One line from a TensorFlow op error raised by a step (a label outside the classes, an id
-  outside an Embedding's vocabulary): the node and what it said, without TF's stack. A
-  microstep error raised inside the input pipeline (`data._column`) is its own line."""
-  ours = re.search(r"^trainer\.errors\.\w+: (.+)$", message, re.MULTILINE)
-  if ours:
-    return ours.group(1).strip()
-  node = re.search(r"Detected at node '?([^'\s]+)", message)
+def _said(message: str) -> str:
+  """What a TensorFlow op error says, without its stack: the last line of `message` that is
+  neither indented (TF's node list, a Python traceback's frames) nor TF's preamble (for an error
+  of Python code in a tf.data function, that is the Python exception's own line)."""
   said = [line for line in message.splitlines() if line.strip() and not line[0].isspace()
           and not line.startswith(("Graph execution error", "Detected at node"))]
-  text = (said[-1] if said else message.strip().splitlines()[-1]).strip()
+  return (said[-1] if said else message.strip().splitlines()[-1]).strip()
+
+
+def _invalid_batch(error, workdir: str) -> str:
+  """One line for an InvalidArgumentError of a step or of its input pipeline."""
+  message = error.message or str(error)
+  ours = re.search(r"^trainer\.errors\.\w+: (.+)$", message, re.MULTILINE)
+  if ours:  # A microstep error raised inside the input pipeline (`data._column`).
+    return ours.group(1).strip()
+  uneven = _UNEVEN_SHAPES.search(message)
+  if uneven:
+    return (f"a tf.data source yields examples of different shapes ({uneven.group(0)}, in the "
+            "order of the example's sorted keys); examples are batched as they come: pad or crop "
+            "every example to one shape in the source (e.g. with .map), padding tokens weighted 0")
+  if _INPUT_NODE.search(message):  # E.g. a record that does not parse, the source's assertion.
+    return _unreadable_input(error, workdir)
+  return _rejected_batch(message)
+
+
+def _rejected_batch(message: str) -> str:
+  """One line from a TensorFlow op error raised by a step (a label outside the classes, an id
+  outside an Embedding's vocabulary): the node and what it said, without TF's stack."""
+  node = re.search(r"Detected at node '?([^'\s]+)", message)
+  text = _said(message)
   assertion = re.match(r"assertion failed: \[(.*?)\](?: \[|\s*$)", text)
   if assertion:  # A tf.debugging assertion (the task's, or microstep's own checks): its message.
     return assertion.group(1)
@@ -102,6 +121,31 @@ def _rejected_batch(message: str) -> str:
   where = f" at {node.group(1)}" if node else ""
   return (f"TensorFlow rejected a batch{where}: {text} (the data's values do not fit the model "
           "or the loss: e.g. labels outside the classes, token ids outside the vocabulary)")
+
+
+# An error raised while the input pipeline produced a batch: a node of the iterator, or a
+# transformation of the tf.data source named in TF's message.
+_INPUT_NODE = re.compile(r"\{\{node (?:\S*/)?IteratorGetNext\w*\}\}|Iterator::")
+_IN_TF_DATA_FUNCTION = re.compile(
+    r"^Error in user-defined function passed to \S+ transformation with iterator: \S+: ")
+_INPUT_HINTS = {tf.errors.DataLossError: "a damaged file?", tf.errors.NotFoundError:
+                "a missing file?", tf.errors.PermissionDeniedError: "no read permission?"}
+
+
+def _unreadable_input(error, workdir: str) -> str:
+  """One line for a batch the input pipeline could not produce: a truncated or corrupt record
+  file (DataLossError), a file gone (NotFoundError), a Python error in the source's own code
+  (UnknownError around its traceback): its cause, without TF's stack, and where to resume."""
+  cause = " ".join(_said(error.message or str(error)).split())
+  cause = _IN_TF_DATA_FUNCTION.sub("", cause)
+  if not isinstance(error, tf.errors.UnknownError):  # (Unknown: the Python exception's line.)
+    cause = f"{type(error).__name__}: {cause}"
+  if len(cause) > 200:
+    cause = f"{cause[:80]} ... {cause[-115:]}"
+  hint = _INPUT_HINTS.get(type(error))
+  return (f"reading the input data failed ({cause}){'; ' + hint if hint else '.'} The latest "
+          f"checkpoint is {checkpointing.latest_checkpoint(workdir) or 'none'}: fix the data "
+          "and rerun to resume")
 
 
 @contextlib.contextmanager
@@ -181,6 +225,19 @@ def build(config, workdir, task=None):
                                                         skip_batches=skip),
         num_workers=num_workers, worker_id=worker_id)
     iterator = make(0)
+    unsaveable = data.unsaveable_state(iterator.checkpointable)
+    if unsaveable and config.data.resume == "iterator":
+      raise errors.ConfigError(
+          f"`data.resume`=iterator but TensorFlow cannot save the tf.data source's iterator "
+          f"({unsaveable}: Python or random state, e.g. a py_function, from_generator or an "
+          "unseeded random op); allowed: auto or skip")
+    if unsaveable:
+      logging.warning(
+          "TensorFlow cannot save the tf.data source's iterator (%s): a restart resumes by "
+          "skipping the micro-batches already consumed, which is exact only if the pipeline "
+          "gives the same batches every time (seeded shuffles, stateless random ops)", unsaveable)
+      iterator = None
+  if iterator is not None:
     step = int(trainer.global_step.numpy())
     layout = (num_workers, strategy.num_replicas_in_sync // num_workers,
               config.batch_size // strategy.num_replicas_in_sync)
@@ -191,9 +248,9 @@ def build(config, workdir, task=None):
       iterator = make(start)
     trainer.train_dataset = iterator  # Orbit calls iter() on it: an iterator returns itself.
   else:
-    if isinstance(train_source, data.DatasetFactory) and start:
+    if isinstance(train_source, data.DatasetFactory) and start:  # (Said above if unsaveable.)
       logging.warning("tf.data source on %s: resuming by skipping the %d micro-batches already "
-                      "consumed (no iterator checkpoints here)", type(strategy).__name__, start)
+                      "consumed (no iterator checkpoints)", type(strategy).__name__, start)
     trainer.train_dataset = _train_dataset(config, strategy, train_source, start)
   manager = checkpointing.create_manager(
       checkpoint, workdir, is_chief=chief, worker_id=worker_id,
@@ -268,14 +325,12 @@ def _run(config, workdir: str, task, lock) -> dict:
           "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
           "every example), on this worker at least (its shard)") from None
     except tf.errors.InvalidArgumentError as e:
-      uneven = _UNEVEN_SHAPES.search(e.message or "")
-      if uneven is None:
-        raise errors.DataError(_rejected_batch(e.message or str(e))) from None
-      raise errors.DataError(
-          f"a tf.data source yields examples of different shapes ({uneven.group(0)}, in the "
-          "order of the example's sorted keys); examples are batched as they come: pad or crop "
-          "every example to one shape in the source (e.g. with .map), padding tokens weighted 0"
-      ) from None
+      raise errors.DataError(_invalid_batch(e, workdir)) from None
+    except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
+            tf.errors.UnknownError) as e:
+      if not _INPUT_NODE.search(e.message or ""):
+        raise
+      raise errors.DataError(_unreadable_input(e, workdir)) from None
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
             tf.errors.CancelledError) as e:
       raise preemption.PeerLostError(
