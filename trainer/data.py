@@ -362,6 +362,15 @@ def factory_train_stream(input_context, factory: DatasetFactory, global_batch: i
 def _pad_to(batch, size: int):
   """Pads every field of a (possibly short) batch to `size` rows; padded rows are invalid."""
   def pad(t):
+    if isinstance(t, tf.SparseTensor):  # Rows past the last index are empty: grow the shape.
+      padded = tf.SparseTensor(t.indices, t.values, tf.concat([[size], t.dense_shape[1:]], 0))
+      padded.set_shape([size] + t.shape[1:])
+      return padded
+    if isinstance(t, tf.RaggedTensor):  # Empty rows: repeat the last row split.
+      splits = t.row_splits
+      missing = size - t.nrows(out_type=splits.dtype)
+      return tf.RaggedTensor.from_row_splits(
+          t.values, tf.concat([splits, tf.fill([missing], splits[-1])], 0), validate=False)
     missing = size - tf.shape(t)[0]
     padding = [[0, missing]] + [[0, 0]] * (t.shape.rank - 1)
     return tf.ensure_shape(tf.pad(t, padding), [size] + t.shape[1:])
@@ -436,5 +445,18 @@ class HostIterator:
     stacked = next(self.checkpointable)
     local = self._local
     return self._strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.nest.map_structure(lambda t: t[ctx.replica_id_in_sync_group % local],
-                                          stacked))
+        lambda ctx: tf.nest.map_structure(
+            lambda t: _row(t, ctx.replica_id_in_sync_group % local), stacked))
+
+
+def _row(stacked, index):
+  """Row `index` of a batch of replica batches: a dense or ragged tensor's, or a SparseTensor's
+  (a `VarLenFeature` field), which has no `[]`. Traced, cross-replica context."""
+  if not isinstance(stacked, tf.SparseTensor):
+    return stacked[index]
+  rest = stacked.dense_shape[1:]
+  row = tf.sparse.slice(stacked, tf.concat([[index], tf.zeros_like(rest)], 0),
+                        tf.concat([[1], rest], 0))
+  row = tf.sparse.reshape(row, rest)
+  row.set_shape(stacked.shape[1:])  # (The reshape to a tensor's value loses the static shape.)
+  return row
