@@ -179,20 +179,18 @@ def _column(records, ids, name, first, what):
   """Field `name` of `records` stacked in the dtype of `first` (record 0's values of the field,
   with a leading axis of 1; strings of any length); a record of another shape is one line."""
   values = [np.asarray(r[name]) for r in records]
+  dtype, text = first.dtype, first.dtype.kind in "US"
   for i, value in zip(ids, values):
     if value.shape != first.shape[1:]:
       raise errors.DataError(
           f"{what}[{int(i)}] field {name!r} has shape {value.shape} where record 0's has "
           f"{first.shape[1:]}; give the field one shape in every record (pad or crop it)")
-  dtype = first.dtype
-  if dtype.kind in "US":
-    return np.stack(values)  # (Casting to record 0's '<U3' would cut longer strings.)
-  for i, value in zip(ids, values):
-    if not np.can_cast(value.dtype, dtype, casting="same_kind"):
+    if not text and not np.can_cast(value.dtype, dtype, casting="same_kind"):
       raise errors.DataError(
           f"{what}[{int(i)}] field {name!r} holds {value.dtype} values where record 0 holds "
           f"{dtype}; give the field one dtype in every record (e.g. float for every number)")
-  return np.stack(values).astype(dtype)
+  # (Strings keep their length: casting to record 0's '<U3' would cut longer ones.)
+  return np.stack(values) if text else np.stack(values).astype(dtype)
 
 
 _SPLITS = frozenset({"train", "test", "val", "valid", "validation", "eval"})  # x_train, y_test...

@@ -32,6 +32,12 @@ def describe_error(error: BaseException) -> str:
   lines = [line for line in str(error).splitlines() if line.strip()] or [""]
   text = " ".join(lines[0].split())
   text = re.sub(r"\{\{[^}]*\}\}\s*|\s*\[Op:[^\]]*\]", "", text).strip()
-  if len(text) > 160:
-    text = f"{text[:60]} ... {text[-95:]}"
-  return f"{type(error).__name__}: {text}"
+  return f"{type(error).__name__}: {cut_middle(text, 160, head=60)}"
+
+
+def cut_middle(text: str, limit: int, *, head: int) -> str:
+  """`text` if it has at most `limit` characters, else its first `head` and its last ones
+  around ` ... `, `limit` characters in all (an error's cause is often at its end)."""
+  if len(text) <= limit:
+    return text
+  return f"{text[:head]} ... {text[len(text) - (limit - head - 5):]}"

@@ -140,8 +140,7 @@ def _unreadable_input(error, workdir: str) -> str:
   cause = _IN_TF_DATA_FUNCTION.sub("", cause)
   if not isinstance(error, tf.errors.UnknownError):  # (Unknown: the Python exception's line.)
     cause = f"{type(error).__name__}: {cause}"
-  if len(cause) > 200:
-    cause = f"{cause[:80]} ... {cause[-115:]}"
+  cause = errors.cut_middle(cause, 200, head=80)
   hint = _INPUT_HINTS.get(type(error))
   return (f"reading the input data failed ({cause}){'; ' + hint if hint else '.'} The latest "
           f"checkpoint is {checkpointing.latest_checkpoint(workdir) or 'none'}: fix the data "
@@ -248,7 +247,7 @@ def build(config, workdir, task=None):
       iterator = make(start)
     trainer.train_dataset = iterator  # Orbit calls iter() on it: an iterator returns itself.
   else:
-    if isinstance(train_source, data.DatasetFactory) and start:  # (Said above if unsaveable.)
+    if isinstance(train_source, data.DatasetFactory) and start:
       logging.warning("tf.data source on %s: resuming by skipping the %d micro-batches already "
                       "consumed (no iterator checkpoints)", type(strategy).__name__, start)
     trainer.train_dataset = _train_dataset(config, strategy, train_source, start)
