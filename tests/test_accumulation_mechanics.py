@@ -216,8 +216,9 @@ def test_mixed_float16_does_not_depend_on_k_or_the_replicas(tmp_path):
     result = run_lib.run(helpers.tiny_config(**dict(base, **overrides)), str(tmp_path / name))
     assert result["skipped_updates"] == 0, name
     weights[name] = helpers.checkpoint_weights(tmp_path / name)[1]
-  # 1e-3: on an Intel Xeon (2026-12-05) oneDNN's float16 matmuls of b = 8 and B = 32 rows round
-  # one output column differently, 4.7e-4 apart after 6 updates; the bug was 1e-2.
+  # 1e-3: on an Intel Xeon (2026-12-05) k4 ended up to 4.7e-4 from k1 after 6 updates, nearly all
+  # in one output column (likely float16 rounding of 8- against 32-row matmuls; not confirmed).
+  # The bug this guards was 1e-2.
   for name in ("k4", "mirrored"):
     for key, value in weights["k1"].items():
       np.testing.assert_allclose(weights[name][key], value, atol=1e-3, err_msg=f"{name} {key}")
