@@ -23,6 +23,7 @@ from trainer import checkpointing
 from trainer import data
 from trainer import errors
 from trainer import export
+from trainer import host_iterator
 from trainer import optimizers
 from trainer import orbit_evaluator
 from trainer import orbit_trainer
@@ -219,12 +220,12 @@ def build(config, workdir, task=None):
   iterator = None
   if isinstance(train_source, data.DatasetFactory) and _resume_iterator(config, strategy):
     num_workers = strategies.num_workers(strategy)
-    make = lambda skip: data.HostIterator(
+    make = lambda skip: host_iterator.HostIterator(
         strategy, lambda ctx: data.factory_train_stream(ctx, train_source, config.batch_size,
                                                         skip_batches=skip),
         num_workers=num_workers, worker_id=worker_id)
     iterator = make(0)
-    unsaveable = data.unsaveable_state(iterator.checkpointable)
+    unsaveable = host_iterator.unsaveable_state(iterator.checkpointable)
     if unsaveable and config.data.resume == "iterator":
       raise errors.ConfigError(
           f"`data.resume`=iterator but TensorFlow cannot save the tf.data source's iterator "
