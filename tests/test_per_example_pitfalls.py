@@ -373,6 +373,40 @@ def test_the_general_path_runs_as_loop_where_pfor_fails_or_crashes(caplog):
   assert general._chosen_path(attention, batch, "error") == "error"  # pylint: disable=protected-access
 
 
+class HandWrittenProjection(L.Layer):
+  """A layer of the user's own: `tf.matmul` of a [B, T, D] sequence and its [D, U] weight."""
+
+  def build(self, shape):
+    self.kernel = self.add_weight(shape=(shape[-1], 4), name="kernel")
+
+  def call(self, x):
+    return tf.matmul(x, self.kernel)
+
+
+def test_batched_matmuls_of_an_unknown_layer_take_the_loop_not_pfor(caplog):
+  """pfor of tf.matmul([1, 12, 16], [16, 8])'s gradient killed the process (SIGSEGV) at B = 4 on
+  an Intel Xeon with oneDNN on, without microstep, and so did a hand-written attention layer
+  through the trainer: the guard knew MultiHeadAttention only by class. It now finds the ops in
+  the single-example graph; the answer still equals the single-example loop. A model without
+  batched matmuls keeps pfor."""
+  keras.utils.set_random_seed(0)
+  tokens = keras.Input((12,), dtype="int32")
+  x = HandWrittenProjection()(L.Embedding(50, 16)(tokens))
+  model = keras.Model(tokens, L.Dense(2)(L.GlobalAveragePooling1D()(x)))
+  rng = np.random.default_rng(3)
+  batch = (tf.constant(rng.integers(0, 50, size=(7, 12)), tf.int32),
+           tf.constant(rng.integers(0, 2, size=7), tf.int32))
+  ours = tf.function(lambda b: per_example_gradients(model, h.xent, b))(batch)
+  h.assert_close_rel(ours, h.loop_grads(model, h.xent, batch, model.trainable_variables), 1e-5,
+                     "hand-written projection")
+  assert "runs as 'loop'" in caplog.text and "BatchMatMulV2" in caplog.text, caplog.text
+  caplog.clear()
+  flat = keras.Sequential([keras.Input((3,)), h.Scale(), L.Dense(2)])
+  flat_batch = (tf.constant(rng.normal(size=(7, 3)), tf.float32), batch[1])
+  per_example_gradients(flat, h.xent, flat_batch)
+  assert "runs as 'loop'" not in caplog.text, caplog.text
+
+
 def _input_gradient_penalty(model, batch):
   """Cross-entropy plus |d logit_0 / d x|^2 per example: a loss that differentiates the model."""
   x, y = batch

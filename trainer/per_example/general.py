@@ -5,13 +5,16 @@
   loop of single-example GradientTapes, vectorized. Fast, but pfor has no vectorized form for
   some kernels (it falls back to a while_loop), and TF 2.20 with oneDNN on (TF's x86 default)
   kills the process with a segmentation fault when it vectorizes a forward pass through Keras
-  MultiHeadAttention at B >= 2. Models built from the layers of `layers.py` and `conv.py` never
+  MultiHeadAttention at B >= 2, or any batched `tf.matmul` of an example's [1, T, D] and a
+  weight (B >= 4 on an Intel Xeon). Models built from the layers of `layers.py` and `conv.py` never
   get here. Where pfor cannot convert the function at all (it raises while tracing, e.g. an
   LSTM over a masked Embedding: "`dtype` variant is not compatible"), the `loop` below runs
   instead, with a logged warning; an error of the function itself (the user's loss) is raised
   as the loop raises it. `vectorized_map` also runs as `loop` where pfor is known to fail: for
-  ragged or sparse batches (some of it only at run time), and for models with Keras attention
-  on oneDNN's CPU kernels (the segfault above; logged once per model). `_chosen_path` decides.
+  ragged or sparse batches (some of it only at run time), and, on oneDNN's CPU kernels, for
+  models with Keras attention or whose single-example graph has batched matmuls (`tf.matmul` of
+  a sequence and a weight, as Dense on sequences and `keras.ops.einsum` run; the segfault above,
+  `kernels.PFOR_CRASH_OPS`; logged once per model). `_chosen_path` decides.
 * `loop`: a compiled `tf.while_loop` over the examples, each iteration one example's
   GradientTape. Slower (B small forward/backward passes) but nothing is vectorized, so no crash.
   Called eagerly, the loop is wrapped in a `tf.function` (traced on every call).
@@ -32,6 +35,7 @@ from trainer.per_example import kernels
 
 PATHS = ("vectorized_map", "loop", "error")
 _WARNED = weakref.WeakSet()  # Models whose pfor crash was logged (once per process).
+_CRASH_OPS = weakref.WeakKeyDictionary()  # Model -> the ops of `kernels.PFOR_CRASH_OPS` it runs.
 _VECTORIZE_WARNED = weakref.WeakKeyDictionary()  # Model -> the failed-pfor lines logged for it.
 
 
@@ -88,21 +92,44 @@ def flat_layers(model) -> list:
   return model._flatten_layers(include_self=True, recursive=True)  # pylint: disable=protected-access
 
 
-def _chosen_path(model, batch, general_path) -> str:
+def _chosen_path(model, batch, general_path, one_example=None) -> str:
   """'loop' where `vectorized_map` is known to fail or crash (module docstring), else
-  `general_path`."""
+  `general_path`. `one_example`: the single-example gradient function, traced once per model
+  (on a batch of one, in a graph of its own that never runs) to look for the ops that crash."""
   if general_path != "vectorized_map":
     return general_path
   if any(isinstance(t, (tf.RaggedTensor, tf.SparseTensor)) for t in tf.nest.flatten(batch)):
     return "loop"
   if kernels.pfor_crashes_on(flat_layers(model)):
-    if model not in _WARNED:
-      _WARNED.add(model)
-      logging.warning("per_example: general_path=vectorized_map runs as 'loop' for %s: pfor "
-                      "through Keras attention on oneDNN's CPU kernels crashes TF 2.20",
-                      getattr(model, "name", type(model).__name__))
-    return "loop"
-  return general_path
+    reason = "pfor through Keras attention"
+  elif one_example is not None and kernels.pfor_crash_possible():
+    found = _crash_ops(model, batch, one_example)
+    if not found:
+      return general_path
+    reason = f"pfor through batched matmuls ({', '.join(found)}) in the model"
+  else:
+    return general_path
+  if model not in _WARNED:
+    _WARNED.add(model)
+    logging.warning("per_example: general_path=vectorized_map runs as 'loop' for %s: %s on "
+                    "oneDNN's CPU kernels can crash TF 2.20 (a segmentation fault)",
+                    getattr(model, "name", type(model).__name__), reason)
+  return "loop"
+
+
+def _crash_ops(model, batch, one_example) -> list:
+  """`kernels.crash_ops_in` the graph of `one_example` on one example; cached per model."""
+  if model in _CRASH_OPS:
+    return _CRASH_OPS[model]
+  spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec([1] + list(t.shape[1:]), t.dtype), batch)
+  try:
+    graph = tf.function(one_example, autograph=False).get_concrete_function(spec).graph
+    found = kernels.crash_ops_in(graph)
+  except Exception:  # pylint: disable=broad-except
+    return []  # The function fails to trace: the path itself raises it, as it would have.
+  _CRASH_OPS[model] = found
+  return found
 
 
 def _example_at(i):
@@ -202,7 +229,7 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
     _, arrays = tf.while_loop(lambda i, _: i < size, body, (tf.constant(0), arrays))
     return [a.stack() for a in arrays]
 
-  if _chosen_path(model, batch, general_path) == "loop":
+  if _chosen_path(model, batch, general_path, one_example) == "loop":
     return tf.function(loop)(batch) if tf.executing_eagerly() else loop(batch)
   tf_logger = tf.get_logger()
   level = tf_logger.level

@@ -41,15 +41,42 @@ def eigen_cpu() -> bool:
   return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
 
 
+# The ops pfor turns into batched matmuls that crash with oneDNN on (below): tf.matmul of a
+# [1, T, D] example and a [D, U] weight (Keras Dense on sequences, `keras.ops.einsum`'s matmul
+# forms, MultiHeadAttention's projections) killed the process at B = 4 on an Intel Xeon with
+# AVX512-VNNI and AMX (2026-12-06; pure TF, no microstep); Einsum is kept with them because
+# oneDNN runs it through the same batched matmul.
+PFOR_CRASH_OPS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"})
+
+
+def pfor_crash_possible() -> bool:
+  """Whether this process runs the CPU kernels under which pfor can crash: oneDNN on (or
+  unknown) and no GPU or TPU. Python only."""
+  if onednn_on() is False:
+    return False
+  return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+
+
 def pfor_crashes_on(layers) -> bool:
   """Whether `tf.vectorized_map` through a model made of `layers` is known to kill the process.
 
   TF 2.20 with oneDNN's CPU kernels on segfaults (SIGSEGV, B >= 2) when pfor vectorizes a
   forward pass through Keras MultiHeadAttention (its EinsumDense projections and attention
-  einsums); reproduced without microstep. Python only.
+  einsums); reproduced without microstep. A cheap check by class; `crash_ops_in` finds the
+  same ops in any layer's graph. Python only.
   """
-  if onednn_on() is False or any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU")):
+  if not pfor_crash_possible():
     return False
   import keras  # pylint: disable=g-import-not-at-top
   attention = (keras.layers.MultiHeadAttention, keras.layers.EinsumDense)
   return any(isinstance(layer, attention) for layer in layers)
+
+
+def crash_ops_in(graph) -> list:
+  """The sorted `PFOR_CRASH_OPS` types in `graph` (a tf.Graph), its nested functions included
+  (while-loop bodies, cond branches). Python only, on a traced graph."""
+  definition = graph.as_graph_def()
+  nodes = list(definition.node)
+  for function in definition.library.function:
+    nodes.extend(function.node_def)
+  return sorted({node.op for node in nodes} & PFOR_CRASH_OPS)
