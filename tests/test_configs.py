@@ -79,3 +79,25 @@ def test_seed_004_full_vgg16_builds_and_updates(tmp_path):
 def test_unknown_recipe_arg_is_refused():
   with pytest.raises(ValueError, match=r"config arg \['bogus'\] unknown"):
     importlib.import_module("configs.fashion_mnist").get_config("smoke,bogus")
+
+
+def test_a_misspelt_field_of_a_microstep_group_is_refused_and_a_users_own_group_is_not(caplog):
+  """In a config file ml_collections takes `per_example.every_step = 1` silently, and the
+  statistics stayed off (a probe, 2026-12-06). Fields of microstep's own groups are checked; a
+  task's own group is the user's; a top-level name close to a field is a warning."""
+  config = importlib.import_module("configs.fashion_mnist").get_config("smoke")
+  config.my_task = {"vocab": 10}  # The user's own group: no error, no warning.
+  validation.validate(config)
+  config.per_example.every_step = 1
+  with pytest.raises(validation.ConfigError, match=(
+      r"^`per_example.every_step` is not a field \(did you mean `per_example.every_steps`\?\); "
+      r"allowed in per_example: every_steps, general_path$")):
+    validation.validate(config)
+  del config.per_example["every_step"]
+  assert "not a field" not in caplog.text
+  config.learning_rate = 0.1
+  config.batchsize = 64
+  validation.validate(config)
+  assert "`batchsize` is not a field microstep reads (did you mean `batch_size`?)" in caplog.text
+  assert "`learning_rate` is not a field microstep reads (did you mean " \
+         "`optimizer.learning_rate`?)" in caplog.text

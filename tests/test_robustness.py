@@ -77,12 +77,22 @@ def _wait_for(proc, text, timeout=120):
      "flag --config.batch_size=abc: invalid literal for int()"),
     ([f"--config={RECIPE}", "--workdirx=3"], "Unknown command line flag 'workdirx'"),
     ([f"--config={RECIPE}", "extra"], "unexpected arguments ['extra']"),
+    (["--config=TYPO"], "`per_example.every_step` is not a field (did you mean "
+                        "`per_example.every_steps`?); allowed in per_example: every_steps,"),
 ])
 def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message):
   (tmp_path / "syntax.py").write_text("def get_config(:\n  pass\n")
   (tmp_path / "raises.py").write_text("def get_config(arg=None):\n  raise RuntimeError('boom in config')\n")
+  # A misspelt field of microstep's own group, in the file (ml_collections takes it silently).
+  recipe, _, recipe_arg = RECIPE.partition(":")
+  (tmp_path / "typo.py").write_text(
+      "import importlib.util\n"
+      f"spec = importlib.util.spec_from_file_location('r', {os.path.join(helpers.REPO, recipe)!r})\n"
+      "recipe = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(recipe)\n"
+      f"def get_config(arg=''):\n  c = recipe.get_config({recipe_arg!r})\n"
+      "  c.per_example.every_step = 1\n  return c\n")
   args = [a.replace("SYNTAX", str(tmp_path / "syntax.py")).replace("RAISES", str(tmp_path / "raises.py"))
-          for a in args]
+          .replace("TYPO", str(tmp_path / "typo.py")) for a in args]
   if not any(a.startswith("--workdir") for a in args):
     args.append(f"--workdir={tmp_path / 'w'}")
   done = subprocess.run(["timeout", "-k", "5", "120", sys.executable, "-m", "trainer.main"] + args,

@@ -3,8 +3,12 @@
 `validate(config)` runs eagerly on the host before the strategy, data or model exist;
 `validate_replicas(config, num_replicas)` runs right after the strategy is built.
 """
+import difflib
 import math
 
+from absl import logging
+
+from trainer import config_defaults
 from trainer import errors
 from trainer import optimizers
 from trainer import strategies
@@ -50,8 +54,35 @@ def _non_finite(node, prefix=""):
   return None
 
 
+def _unknown_fields(config):
+  """Refuses a field that microstep does not read inside one of its own groups (`optimizer`,
+  `per_example`, ...): a misspelt `per_example.every_step = 1` in a config file otherwise leaves
+  the default in force without a word (on the command line ml_collections refuses it). Top-level
+  names are the user's own (a task's `config.my_task`); one that nearly matches a microstep
+  field, or names a field of one of its groups, is logged as a warning."""
+  defaults = config_defaults.base_config()
+  groups = {name for name in defaults.keys() if hasattr(defaults[name], "keys")}
+  for group in sorted(groups & set(config.keys())):
+    known = list(defaults[group].keys())
+    for key in (config[group].keys() if hasattr(config[group], "keys") else ()):
+      if key not in known:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean `{group}.{close[0]}`?)" if close else ""
+        raise ConfigError(f"`{group}.{key}` is not a field{hint}; allowed in {group}: "
+                          f"{', '.join(sorted(known))}")
+  nested = {key: f"{group}.{key}" for group in groups for key in defaults[group].keys()}
+  for key in sorted(set(config.keys()) - set(defaults.keys())):
+    close = difflib.get_close_matches(key, [k for k in defaults.keys() if k not in groups], n=1,
+                                      cutoff=0.85)
+    if key in nested or close:
+      logging.warning("config: `%s` is not a field microstep reads (did you mean `%s`?); a "
+                      "task's own fields belong in a group of their own, e.g. `config.my_task`",
+                      key, nested.get(key) or close[0])
+
+
 def validate(config) -> None:
   """Raises ConfigError for the first bad field."""
+  _unknown_fields(config)
   bad = _non_finite(config)
   if bad:
     raise ConfigError(f"`{bad[0]}`={bad[1]!r} must be a finite number")
