@@ -119,6 +119,48 @@ class ActivityRegularised(NoMetrics):
         keras.layers.Dense(2, activity_regularizer=keras.regularizers.l2(0.05))])
 
 
+class WeightPenaltyInLoss(NoMetrics):
+  """Each example's loss adds an L2 penalty on the first Dense kernel, written in the loss: the
+  kernel is read outside its layer's call, and every example's gradient holds the penalty's."""
+
+  def per_example_loss(self, model, batch, training):
+    penalty = 0.05 * tf.reduce_sum(tf.square(model.layers[0].kernel))
+    return base_task.LossOutput(loss=_xent(model, batch, training)[0] + penalty)
+
+
+class KernelRegularised(NoMetrics):
+  """A Keras kernel regulariser: part of the batch objective (`model.losses`), not of any
+  example's loss, so the per-example terms keep their direct formulas."""
+
+  def build_model(self):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((12,)), keras.layers.Dense(16, activation="tanh", kernel_regularizer="l2"),
+        keras.layers.Dense(2)])
+
+
+class InferenceBatchNorm(NoMetrics):
+  """A subclassed model calling its (trainable) BatchNormalization with training=False."""
+
+  def build_model(self):
+
+    class Model(keras.Model):
+
+      def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.norm = keras.layers.BatchNormalization()
+        self.out = keras.layers.Dense(2)
+
+      def call(self, x, training=False):
+        return self.out(self.norm(self.hidden(x), training=False))
+
+    keras.utils.set_random_seed(0)
+    model = Model()
+    model(np.zeros((1, 12), np.float32))
+    return model
+
+
 class UnusedHead(NoMetrics):
   """Two heads on one hidden layer; the loss reads only the first (the second gets no gradient)."""
 
@@ -214,6 +256,10 @@ class TiedEmbeddings(NoMetrics):
     embedding = keras.layers.Embedding(2, 6)
     x = keras.layers.Dense(6)(keras.layers.GlobalAveragePooling1D()(embedding(tokens)))
     return keras.Model(tokens, _TiedOutput(embedding)(x))
+
+  @staticmethod
+  def model_embedding(model):
+    return next(l for l in model.layers if isinstance(l, keras.layers.Embedding))
 
   def train_data(self):
     rng = np.random.RandomState(0)

@@ -129,14 +129,17 @@ def test_exact_with_per_example_statistics_on_every_update(tmp_path, model):
 
 def test_tied_weights_take_the_tape_gradient_with_statistics_on(tmp_path):
   """An output projection that reuses the embedding matrix reads it outside the Embedding's
-  call: its per-example terms miss that use, so the update must come from the tape."""
+  call: its per-example terms miss that use, so the Embedding takes the general path, whose
+  update gradient comes from the tape; the other layers' still come from their terms."""
   config = helpers.tiny_config(**dict(OPTIMIZERS["sgd_momentum"], **{
       "accumulation.steps": 2, "per_example.every_steps": 1, "train_steps": 2}))
   task = example_tasks.TiedEmbeddings(config)
   strategy, trainer = helpers.build(config, tmp_path, task)
   initial, _ = helpers.snapshot(strategy, trainer)
   trainer.train(tf.constant(2))
-  assert not trainer.gradients_from_statistics_traced
+  assert trainer.gradients_from_statistics_traced
+  assert [id(v) for v in trainer.statistics.recorder.general_variables] == [
+      id(task.model_embedding(trainer.model).embeddings)]
   weights, _ = helpers.snapshot(strategy, trainer)
   ref_weights, _ = helpers.reference_run(config, initial, helpers.update_batches(config, 2, task),
                                          task)

@@ -130,7 +130,6 @@ class Trainer(orbit.StandardTrainer):
     # directly), the recorded layers' gradients come from the per-example terms' sums.
     self._gradients_from_statistics = (self.statistics.enabled and self.statistics.every == 1
                                        and not model.losses)
-    self._warned_foreign = False
     loss_name = type(task).__name__ + (".batch_loss" if self.gradcache else ".per_example_loss")
     self.reached = update.ReachedVariables(loss_name)  # Filled while tracing.
     self._built_variable_ids = {id(v) for v in variables}
@@ -176,26 +175,28 @@ class Trainer(orbit.StandardTrainer):
     `scalars` ends with this micro-batch's statistics sums (zeros on other updates).
     """
     variables = self.model.trainable_variables
-    with tf.GradientTape() as tape, self._state.watching(), (
-        self.statistics.recording(tape, batch)) as recording:
-      loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
-                                                         training=True)
-      if recording is not None:  # Losses that mix the examples: no direct formula holds.
-        recording.check_losses(loss)
+    with tf.GradientTape() as tape:
+      with self._state.watching(), self.statistics.recording(tape, batch) as recording:
+        loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
+                                                           training=True)
+        if recording is not None:  # Losses that mix the examples: no direct formula holds.
+          recording.check_losses(loss)
       weight_sum = tf.reduce_sum(weight)
       loss_sum = tf.reduce_sum(loss * weight)
       objective = loss_sum
-      if self.model.losses:  # Regularisers: weighted so that the update sees them exactly once.
+      # Regularisers, weighted so that the update sees them exactly once. Read after the
+      # recording: Keras reads the weights here, for the batch objective, not for any example's
+      # loss, so they are no read outside a layer's call that would demote the layer.
+      if self.model.losses:
         objective += tf.add_n([tf.cast(l, tf.float32) for l in self.model.losses]) * weight_sum
       scale = self._gradient_scale()
       if scale is not None:
         objective *= scale
     base_task.check_no_new_variables(self.task, self.model, self._built_variable_ids)
-    foreign = [] if recording is None else recording.read_outside  # Tied weights, regularisers.
     if recording is None:
       grads = tape.gradient(objective, variables)
       self.reached.note(g is not None for g in grads)
-    elif self._gradients_from_statistics and not foreign:
+    elif self._gradients_from_statistics:
       grads, output_grads = self.statistics.recorded_gradients(tape, objective, recording,
                                                                self.reached)
       self.gradients_from_statistics_traced = True
@@ -212,13 +213,8 @@ class Trainer(orbit.StandardTrainer):
                    output_grads=output_grads, loss_scale=scale, batch=batch, losses=loss)
     sums, context["terms"] = self.statistics.local_sums(
         context["active"], recording, output_grads, scale, batch, loss,
-        terms_sum_is_gradient=self._gradients_from_statistics and not foreign)
-    if foreign and not self._warned_foreign:
-      self._warned_foreign = True
-      logging.warning("per-example statistics: %s read outside its layer's call (tied "
-                      "weights?): the update takes its gradient from the tape",
-                      ", ".join(sorted(set(foreign))))
-    if self._gradients_from_statistics and not foreign:  # Σ_i g_i of the terms IS the gradient.
+        terms_sum_is_gradient=self._gradients_from_statistics)
+    if self._gradients_from_statistics:  # Σ_i g_i of the terms IS the gradient.
       batch_sums = context["terms"].batch_sums
       for i in self.statistics.recorder.direct_indices:
         grads[i] = batch_sums[i] if scale is None else batch_sums[i] * scale

@@ -36,7 +36,6 @@ gathered zeros; the norms run under `tf.cond` only on statistics updates.
 import contextlib
 
 from absl import logging
-import keras
 import tensorflow as tf
 
 from trainer import accumulation
@@ -58,12 +57,9 @@ class UpdateStatistics:
     self.enabled = self.every > 0
     if not self.enabled:
       return
-    for layer in model._flatten_layers():  # pylint: disable=protected-access
-      if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable:
-        raise errors.ConfigError(
-            f"`per_example.every_steps`={self.every} with trainable BatchNormalization "
-            f"('{layer.name}'): batch statistics mix the examples, so per-example gradients are "
-            "ill-defined; set it to 0, freeze the layer, or use LayerNormalization")
+    # BatchNormalization in training mode (batch statistics mix the examples) is refused by
+    # the recorder when it is called so, at the first trace: a layer called with
+    # training=False (a subclassed model) or frozen is fine.
     try:
       self.recorder = per_example.Recorder(model, model.trainable_variables,
                                            general_path=config.per_example.general_path)
@@ -105,13 +101,16 @@ class UpdateStatistics:
       yield None
       return
     try:
-      # Reads outside a layer's call (tied weights, `model.losses`) are noted, not demoted:
-      # the update takes their gradient from the tape (`OrbitTrainer.local_sums`).
-      with self.recorder.record(tape, batch, reads_outside="note") as rec:
+      # A covered layer whose variables the forward reads outside its call (tied weights, a
+      # weight penalty in the loss) is demoted to the general path, whose single-example
+      # gradients see every use; Keras's own regularisers are read after the recording
+      # (`OrbitTrainer.local_sums`): they belong to the batch objective, not to an example.
+      with self.recorder.record(tape, batch) as rec:
         yield rec
     except per_example.Refused as e:
-      raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {e.reason}; set it to "
-                               "0 for this model") from None
+      reason = e.reason.rstrip(".")
+      raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {reason}; set it to 0 "
+                               "for this model") from None
 
   def recorded_gradients(self, tape, objective, recording, reached):
     """The backward pass when every update computes per-example statistics (replica context).
@@ -166,7 +165,8 @@ class UpdateStatistics:
 
     Returns (sums, terms): `terms` (for `norms_and_cosines`) only when every update writes.
     `terms_sum_is_gradient`: the update's gradient is the sum of these terms (no regularisation
-    losses, no tied weights read outside their layer): decided by the trainer while tracing.
+    losses; variables read outside their layer's call are on the general path): decided by the
+    trainer while tracing.
     """
     if self.every == 1:
       self_dots = (self._own_batch_is_update and terms_sum_is_gradient

@@ -4,8 +4,7 @@ A covered layer's per-example terms describe the uses of its variables inside it
 call. Two other kinds of read make them incomplete, silently:
 * a read outside that call, by other code: weights tied through another layer (an output
   projection through the embedding matrix), a regulariser in the loss. `outside_calls` notes
-  them (per owning layer); the recorder then demotes the layer to the general path, or the
-  trainer takes that variable's update gradient from the tape.
+  them (per owning layer); the recorder then demotes the layer to the general path.
 * a read with no recorded call at all: the forward ran code traced before the recording began
   (a `tf.function` around the loss or the model's call reuses its graph without running the
   Python that records), so the terms would be zeros. `unrecorded` finds them, from TensorFlow's

@@ -175,17 +175,16 @@ class Recorder:
     return moved
 
   @contextlib.contextmanager
-  def record(self, tape, batch=None, *, reads_outside="demote"):
+  def record(self, tape, batch=None):
     """Records the forward pass run inside the block; yields the `Recording`.
 
     `tape`: the GradientTape that will differentiate the loss (each output is watched on it).
     `batch`: the batch the forward reads (any nest of tensors); with it, covered layers whose
     input's axis 0 is not the batch's example axis are demoted to the general path
-    (`examples_axis.py`).
-    `reads_outside`: what to do about a covered layer whose variables are read outside its
-    recorded call (tied weights, a regulariser in the loss; `reads.py`): `demote` it to the
-    general path after the forward, or `note` the variables in `rec.read_outside` (the caller
-    then takes their batch gradient from the tape, and their terms miss those uses).
+    (`examples_axis.py`). A covered layer whose variables are read outside its recorded call
+    (tied weights, a weight penalty in the loss; `reads.py`) is demoted after the forward: its
+    terms would miss those uses. (Keras's own weight regularisers, read by `model.losses`,
+    belong to the batch objective: read them after the block.)
     Raises `general.Refused` at the end of the block when a covered layer ran inside a nested
     function or loop of the forward pass (see `Recording.watch`), when its variables were read
     but its call was not recorded (a `tf.function` already traced around the model or the
@@ -198,11 +197,8 @@ class Recorder:
       yield rec
       read_ids = read_ids()
     for layer, paths in outside.values():
-      if reads_outside == "demote":
-        rec.demote(layer, f"{', '.join(sorted(set(paths)))} read outside its call (tied "
-                   "weights, or a regulariser in the loss)")
-      else:
-        rec.read_outside.extend(paths)
+      rec.demote(layer, f"{', '.join(sorted(set(paths)))} read outside its call (tied "
+                 "weights, or a regulariser in the loss)")
     if rec.refusal:  # Raised here, outside the loop that saw it (see `Recording.watch`).
       raise general.Refused(rec.refusal + rec.advice, reason=rec.refusal)
     unrecorded = reads.unrecorded(self, rec, read_ids)
@@ -258,8 +254,6 @@ class Recording:
     inside: the recorded layers whose calls are running now (innermost last): lets a caller
       tell reads of a layer's variables inside its own call from reads elsewhere (tied weights).
     refusal: '' or why this forward cannot be recorded (raised when `record` ends).
-    read_outside: paths of covered variables read outside their layer's call, when `record`
-      was asked to note them (filled when the block ends).
   """
 
   def __init__(self, recorder, tape, batch=None):
@@ -269,7 +263,6 @@ class Recording:
     self._scope = "" if self._graph is None else self._graph.get_name_scope()
     self.refusal = ""
     self.advice = ""  # For the library's callers, after `refusal`.
-    self.read_outside = []
     self.outputs = []
     self.terms = {i: [] for i in recorder.direct_indices}
     self.joints = []
