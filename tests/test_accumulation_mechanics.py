@@ -187,6 +187,19 @@ def test_integer_state_is_kept_per_replica_and_named(tmp_path, caplog):
   assert "writes counting/calls, counting/seen once per micro-step" in caplog.text
 
 
+def test_dropout_seed_state_is_not_named_as_state_written_per_micro_step(tmp_path, caplog):
+  """Dropout's seed generator writes its state on every forward: that is how each micro-step
+  draws new masks, not a running statistic. Every Dropout model with k > 1 was warned that it
+  moves k times per update, and under Mirrored that it is integer state not averaged."""
+  config = _mirrored_config(**{"accumulation.steps": 2, "train_steps": 1})
+  strategy, trainer = helpers.build(config, tmp_path, example_tasks.WithDropout(config))
+  with caplog.at_level("WARNING"):
+    trainer.train(tf.constant(1))
+  assert int(trainer.optimizer.iterations.numpy()) == 1
+  assert "once per micro-step" not in caplog.text and "integer state" not in caplog.text, (
+      caplog.text)
+
+
 def test_frozen_weights_are_not_averaged(tmp_path):
   """Only variables the forward pass writes are synchronised: frozen weights keep their bits."""
   config = _mirrored_config(**{"model": "small_cnn_bn", "accumulation.steps": 1})

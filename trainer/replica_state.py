@@ -50,7 +50,10 @@ class WriteRecorder:
   """
 
   def __init__(self, model):
-    self._candidates = _writable_state(model)
+    # Random layers' seed states (Dropout) are left out: a new mask per micro-step and per
+    # replica is what they are for, not state that should move once per update.
+    seeds = {id(state) for state in seed_states(model)}
+    self._candidates = [v for v in _writable_state(model) if id(v) not in seeds]
     self._ids = {id(v) for v in self._candidates}
     self._written = set()
 
