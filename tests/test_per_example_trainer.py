@@ -211,6 +211,18 @@ def test_an_activity_regulariser_is_in_each_examples_own_gradient(tmp_path):
   assert abs(without["mean_norm"] / expected["mean_norm"] - 1) > 1e-3  # The penalty counts.
 
 
+def test_general_path_error_in_the_trainer_is_one_line_without_the_apis_advice(tmp_path):
+  """The refusal named the variables, then advised passing `variables`, which a trainer user
+  cannot do (a probe, 2026-12-06)."""
+  config = helpers.tiny_config(**{"per_example.every_steps": 1,
+                                  "per_example.general_path": "error"})
+  with pytest.raises(errors.ConfigError, match=(
+      r"^`per_example.general_path`=error: per_example: general_path='error' and 2 variable\(s\) "
+      r"have no direct formula: .*gamma .*; allowed: vectorized_map, loop, error$")) as raised:
+    helpers.build(config, tmp_path, example_tasks.InferenceBatchNorm(config))
+  assert "`variables`" not in str(raised.value)
+
+
 def test_batch_normalization_in_training_mode_is_refused_at_the_first_trace(tmp_path):
   config = helpers.tiny_config(**{"model": "small_cnn_bn", "per_example.every_steps": 1})
   _, trainer = helpers.build(config, tmp_path)

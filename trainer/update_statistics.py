@@ -64,9 +64,11 @@ class UpdateStatistics:
       self.recorder = per_example.Recorder(model, model.trainable_variables,
                                            general_path=config.per_example.general_path)
     except ValueError as e:
-      field = ("`per_example.general_path`=error" if config.per_example.general_path == "error"
-               else f"`per_example.every_steps`={self.every}")
-      raise errors.ConfigError(f"{field}: {e}") from None
+      if config.per_example.general_path == "error":
+        raise errors.ConfigError(
+            f"`per_example.general_path`=error: {getattr(e, 'reason', e)}; allowed: "
+            f"{', '.join(per_example.GENERAL_PATHS)}") from None
+      raise errors.ConfigError(f"`per_example.every_steps`={self.every}: {e}") from None
     convolutions = [layer.name for layer, _ in self.recorder.layers
                     if isinstance(layer, per_example_conv.COVERED)]
     if convolutions and per_example_kernels.eigen_cpu():

@@ -72,11 +72,13 @@ def check_path(general_path: str) -> None:
     raise ValueError(f"`general_path` must be one of {', '.join(PATHS)}; got {general_path!r}.")
 
 
-def refusal(descriptions) -> str:
-  """The one-line error for `general_path='error'`; `descriptions`: 'variable (reason)'."""
-  return (f"per_example: general_path='error' and {len(descriptions)} variable(s) have no "
-          f"direct formula: {'; '.join(descriptions)}. Use general_path='loop' or "
-          "'vectorized_map', or pass `variables` without them.")
+def refusal(descriptions) -> Refused:
+  """The one-line error for `general_path='error'`; `descriptions`: 'variable (reason)'. Its
+  `reason` leaves out the advice that only the API's callers can take (`variables`)."""
+  reason = (f"per_example: general_path='error' and {len(descriptions)} variable(s) have no "
+            f"direct formula: {'; '.join(descriptions)}")
+  return Refused(f"{reason}. Use general_path='loop' or 'vectorized_map', or pass `variables` "
+                 "without them.", reason=reason)
 
 
 def demotion_refusal(layer, problem) -> str:
@@ -195,7 +197,7 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
   if not variables:
     return []
   if general_path == "error":
-    raise Refused(refusal([getattr(v, "path", getattr(v, "name", "?")) for v in variables]))
+    raise refusal([getattr(v, "path", getattr(v, "name", "?")) for v in variables])
 
   def one_example(example):
     with tf.GradientTape() as tape:

@@ -140,9 +140,9 @@ class Recorder:
     self.demoted = []  # (layer, why) moved to the general path while recording, in order.
     self._bn_layers = [l for l in all_layers if isinstance(l, _BN_TYPES)]
     if general_path == "error" and self.general_indices:
-      raise general.Refused(general.refusal([
+      raise general.refusal([
           f"{variable_name(v)} ({_find(reasons, v, 'not reached through a Keras layer')})"
-          for v in self.general_variables]))
+          for v in self.general_variables])
 
   def _set_direct(self, covered) -> None:
     self.direct_indices = sorted(covered)
