@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -146,6 +147,20 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path):
 def test_checkpoints_being_a_file_is_one_line(tmp_path):
   (tmp_path / "checkpoints").write_text("not a directory")
   with pytest.raises(errors.ConfigError, match="holds a file named 'checkpoints'"):
+    run.run(helpers.tiny_config(), str(tmp_path))
+
+
+@pytest.mark.parametrize("name,make_directory", [("result.json", True), ("data_state", False)])
+def test_a_result_or_data_state_of_the_wrong_kind_is_one_line_before_training(tmp_path, name,
+                                                                             make_directory):
+  """Found by a probe (2026-12-06): a directory `result.json` failed after all the training
+  (traceback, exit 1); a file `data_state` at the first checkpoint of a tf.data run."""
+  if make_directory:
+    (tmp_path / name).mkdir()
+  else:
+    (tmp_path / name).write_text("not a directory")
+  kind = "a directory" if make_directory else "a file"
+  with pytest.raises(errors.ConfigError, match=f"holds {kind} named '{name}'"):
     run.run(helpers.tiny_config(), str(tmp_path))
 
 
@@ -460,3 +475,16 @@ def test_newest_checkpoint_number_tells_a_lone_ckpt_0_from_none(tmp_path):
   (tmp_path / "ckpt-12.index").write_bytes(b"")
   (tmp_path / "ckpt-3.data-00000-of-00001").write_bytes(b"")  # No index: not a checkpoint.
   assert checkpointing.newest_number(str(tmp_path)) == 12
+
+
+def test_a_loop_of_skipped_updates_reports_nan_loss_not_zero(tmp_path):
+  """A loop whose every update was skipped logged and wrote `loss 0.0000` (and accuracy 0):
+  a diverging run looked perfect in TensorBoard (a probe, 2026-12-06). It has no mean: NaN."""
+  config = helpers.tiny_config(**{"task": "example_tasks:Flaky", "data.shuffle": False,
+                                  "batch_size": 16, "steps_per_loop": 1,
+                                  "max_consecutive_skips": 20})
+  _, trainer = helpers.build(config, tmp_path)
+  losses = [float(trainer.train(tf.constant(1))["loss"]) for _ in range(4)]
+  assert int(trainer.skipped_updates.numpy()) == 2  # Updates 1 and 2 (two batches in three).
+  assert np.isfinite(losses[0]) and losses[0] > 0 and np.isfinite(losses[3]), losses
+  assert np.isnan(losses[1]) and np.isnan(losses[2]), losses

@@ -341,17 +341,20 @@ class Trainer(orbit.StandardTrainer):
     elapsed = max(time.perf_counter() - start_time, 1e-9)
     step = int(self.global_step.numpy())
     sums = self.loop_sums.numpy()
-    weight = max(float(sums[1]), 1e-12)
+    weight = float(sums[1])
+    # A loop whose updates were all skipped (or whose examples all weigh 0) has no mean loss:
+    # NaN, not the 0.0 that read as a perfect loss in TensorBoard (a probe, 2026-12-06).
+    mean = lambda total: float(total) / weight if weight > 0 else float("nan")
     steps_per_s = (step - start_step) / elapsed
     examples_per_s = steps_per_s * self.accumulation_steps * self.config.batch_size
     eta = max(self.config.train_steps - step, 0) / max(steps_per_s, 1e-9)
-    output = {"loss": sums[0] / weight, "learning_rate": float(self.current_learning_rate()),
+    output = {"loss": mean(sums[0]), "learning_rate": float(self.current_learning_rate()),
               "examples_per_second": examples_per_s, "grad_norm": float(self.last_grad_norm.numpy()),
               "skipped_updates": int(self.skipped_updates.numpy()),
               "micro_steps": int(self.micro_batches_seen.numpy()),
               "examples_seen": int(self.micro_batches_seen.numpy()) * self.config.batch_size}
     for i, name in enumerate(self.task.metric_names):
-      output[name] = sums[2 + i] / weight
+      output[name] = mean(sums[2 + i])
     if self.loss_scale is not None:
       output["loss_scale"] = float(self.loss_scale.numpy())
     shown = "".join(f" | {name} {output[name]:.4f}" for name in self.task.metric_names[:1])
