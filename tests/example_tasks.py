@@ -11,6 +11,8 @@ position Embedding that does not depend on the batch. `HardExampleWeights` (a lo
 `UnusedHead` has a second output head its
 loss leaves out; `ConstantLoss` never uses the model.
 """
+import time
+
 import keras
 import numpy as np
 import tensorflow as tf
@@ -235,6 +237,30 @@ class Flaky(NoMetrics):
   def per_example_loss(self, model, batch, training):
     loss = _xent(model, {"x": batch["x"], "y": batch["y"]}, training)[0]
     return base_task.LossOutput(loss=tf.where(batch["poison"] > 0, float("nan"), loss))
+
+
+class _SlowRecords:
+  """An indexable source whose records take 20 ms each to read (a slow disk)."""
+
+  def __init__(self):
+    self._arrays = _arrays(256, 1)
+
+  def __len__(self):
+    return 256
+
+  def __getitem__(self, i):
+    time.sleep(0.02)
+    return {name: values[i] for name, values in self._arrays.items()}
+
+
+class SlowRecords(NoMetrics):
+  """Training data read record by record by slow Python code (through tf.numpy_function)."""
+
+  def train_data(self):
+    return _SlowRecords()
+
+  def eval_data(self):
+    return None
 
 
 class _TiedOutput(keras.layers.Layer):

@@ -441,6 +441,22 @@ def test_a_repeated_sigterm_still_writes_the_checkpoint(tmp_path):
   assert "stopped by SIGTERM; checkpoint written at update" in err.strip().splitlines()[-1]
 
 
+def test_a_run_over_slow_python_records_exits_when_done_and_when_stopped(tmp_path):
+  """The input pipeline's destructor waits for tf.data threads inside Python code (the
+  source's slow `__getitem__`), which need the GIL: at interpreter shutdown they never get it,
+  and the finished or SIGTERM-stopped process hung instead of exiting 0 or 42 (a probe,
+  2026-12-06). The CLI now collects the run's objects before it exits."""
+  slow = ("task=example_tasks:SlowRecords", "mode=train", "export_at_end=False")
+  done = helpers.run_cli(tmp_path / "done", RECIPE, *slow, "train_steps=2", "steps_per_loop=2",
+                         timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  proc = _popen(tmp_path / "stopped", *slow, "train_steps=100000", "steps_per_loop=2")
+  _wait_for(proc, "train step")
+  proc.send_signal(signal.SIGTERM)
+  code, err = _finish(proc, timeout=90)
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+
+
 def test_dropout_masks_resume_bitwise(tmp_path):
   """The random layers' generator state is in the checkpoint: the masks continue, not restart."""
   extra = ("task=example_tasks:WithDropout", *DETERMINISTIC)

@@ -98,6 +98,17 @@ def test_an_unreadable_config_json_refuses_the_resume_unless_unchecked(trained, 
   assert not list(workdir.glob("config.json.partial*"))
 
 
+def test_keep_checkpoints_still_holds_after_the_state_file_is_rebuilt(trained, tmp_path):
+  """A rebuilt state file listed the checkpoints without their times: TensorFlow's manager then
+  kept them forever, so checkpoints piled up past `keep_checkpoints` on every later resume (a
+  probe, 2026-12-06: 7 with keep 3)."""
+  workdir = _copy(trained, tmp_path)
+  (workdir / "checkpoints" / "checkpoint").unlink()  # Rebuilt from the intact ckpt-2, -4, -6.
+  for train_steps, kept in ((10, [6, 8, 10]), (14, [10, 12, 14])):
+    run.run(_config(train_steps=train_steps, keep_checkpoints=3), str(workdir))
+    assert sorted(int(p.name[5:-6]) for p in (workdir / "checkpoints").glob("ckpt-*.index")) == kept
+
+
 def test_damaged_copies_are_all_kept(trained, tmp_path):
   workdir = _copy(trained, tmp_path)
   aside = workdir / "checkpoints" / "damaged"

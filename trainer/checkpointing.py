@@ -348,8 +348,13 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
       os.path.basename(intact[-1])) or listed != [os.path.basename(p) for p in intact]:
     logging.warning("rewrote %s/checkpoint to list %s", directory,
                     ", ".join(os.path.basename(p) for p in intact))
-    tf.compat.v1.train.update_checkpoint_state(directory, intact[-1],
-                                               all_model_checkpoint_paths=intact)
+    # With their times, and an older last-preserved time: without them TensorFlow's
+    # CheckpointManager keeps the listed checkpoints forever and leaves them out of its own
+    # list, so `keep_checkpoints` stopped working and every later resume rewrote the file.
+    stamps = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for p in intact]
+    tf.compat.v1.train.update_checkpoint_state(
+        directory, intact[-1], all_model_checkpoint_paths=intact,
+        all_model_checkpoint_timestamps=stamps, last_preserved_timestamp=min(stamps) - 1.0)
 
 
 def _unused(directory: str, name: str) -> str:

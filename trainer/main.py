@@ -53,9 +53,12 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   import tensorflow as tf
   from trainer import checkpointing, errors, preemption, run
-  failure = None
+  failure = stop = None
   try:
     run.run(_CONFIG.value, _WORKDIR.value)
+  except shutdown.StopRequested as e:  # Re-raised below, without the run's frames.
+    stop = e.with_traceback(None)
+    stop.__context__ = None
   except errors.MicrostepError as e:
     failure = (str(e), exit_codes.BAD_INPUT_EXIT_CODE)
   except FloatingPointError as e:
@@ -69,10 +72,15 @@ def main(argv):
     if message is None:
       raise
     failure = (message, exit_codes.CHECKPOINT_IO_EXIT_CODE)
+  # The run's objects go now, while Python runs: what their destructors log (e.g. TensorFlow on
+  # a checkpoint it could not restore) comes before a failure's line, which stays last; and an
+  # input pipeline's destructor waits for its tf.data threads, which may be inside Python code
+  # (`tf.numpy_function` of an indexable source, `from_generator`) that needs the GIL: at
+  # interpreter shutdown they can never get it, and the finished process hung (a probe).
+  gc.collect()
+  if stop:
+    raise stop
   if failure:
-    # The failed run's objects go first, so that what their destructors log (e.g. TensorFlow
-    # on a checkpoint it could not restore) comes before the error line, which stays last.
-    gc.collect()
     flag_errors.fail(*failure)
 
 
