@@ -186,6 +186,7 @@ def test_eval_or_export_on_an_empty_workdir_is_one_line(tmp_path, mode):
   with pytest.raises(errors.ConfigError, match=f"`mode`={mode} but `--workdir`=.* holds no "
                                                "checkpoint"):
     run.run(helpers.tiny_config(mode=mode), str(tmp_path / "typo"))
+  assert not (tmp_path / "typo").exists()  # It was created, with a lock file in it.
 
 
 # ----------------------------------------------------------------- damaged checkpoints --------

@@ -273,6 +273,10 @@ def run(config, workdir: str, task=None) -> dict:
   workdir's (per worker); evaluators and exports, which only read checkpoints, take their own,
   so one can run beside a live trainer.
   """
+  if config.mode in ("eval", "export") and not tf.io.gfile.isdir(workdir):
+    # Before the lock and the writability probe create it: a mistyped path stays absent.
+    raise errors.ConfigError(f"`mode`={config.mode} but `--workdir`={workdir!r} holds no "
+                             "checkpoint (it does not exist); train first, or check the path")
   workdir_lib.check_writable(workdir)
   lock = strategies.task_key(config) if config.mode in TRAINING_MODES else config.mode
   with workdir_lib.Lock(workdir, lock) as held:
