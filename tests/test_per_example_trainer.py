@@ -23,8 +23,12 @@ def _events(directory):
   return found
 
 
-def _train_with_summaries(tmp_path, overrides, updates):
-  strategy, trainer = helpers.build(helpers.tiny_config(**overrides), tmp_path / "w")
+def _train_with_summaries(tmp_path, overrides, updates, task_class=None):
+  """(strategy, trainer, initial weights, summaries) of `updates` updates from a fresh build;
+  `task_class(config)` replaces the config's task when given."""
+  config = helpers.tiny_config(**overrides)
+  task = None if task_class is None else task_class(config)
+  strategy, trainer = helpers.build(config, tmp_path / "w", task)
   initial, _ = helpers.snapshot(strategy, trainer)
   writer = tf.summary.create_file_writer(str(tmp_path / "tb"))
   with writer.as_default():
@@ -183,20 +187,36 @@ def test_a_keras_weight_regulariser_keeps_the_direct_formulas_and_the_tape_updat
     np.testing.assert_allclose(fast, tape, atol=1e-6)
 
 
+@pytest.mark.parametrize("replicas,k,clipnorm", [(1, 1, 0.0), (2, 2, 0.01)])
+def test_a_weight_regulariser_stays_out_of_the_statistics(tmp_path, replicas, k, clipnorm):
+  """G in the statistics is Σ g_i / Σ w_i: the examples' loss only. The update's gradient also
+  holds the kernel regulariser's, which no example's gradient does; with it in G, grad_norm,
+  gns and the cosines mixed two definitions (grad_norm 0.2%, gns 1.2% off, found 2026-12-06).
+  Clipping (active here) must not shrink G either."""
+  overrides = {"per_example.every_steps": 1, "train_steps": 1, "batch_size": 8,
+               "accumulation.steps": k, "optimizer.global_clipnorm": clipnorm}
+  if replicas == 2:
+    overrides.update({"strategy": "mirrored", "cpu_replicas": 2})
+  _, trainer, initial, events = _train_with_summaries(tmp_path, overrides, 1,
+                                                      example_tasks.KernelRegularised)
+  if clipnorm:
+    assert float(trainer.last_grad_norm.numpy()) > 2 * clipnorm, "clipping must be active"
+  config, task = trainer.config, trainer.task
+  batch = helpers.update_batches(config, 1, task)[0]
+  expected = _oracle(config, task, initial, batch, replicas, k)
+  for name in ("gns", "diversity", "mean_norm", "trace", "grad_norm", "mean_cosine"):
+    (_, got), = events[f"per_example/{name}"]
+    np.testing.assert_allclose(float(got), expected[name], rtol=1e-5, err_msg=name)
+
+
 def test_an_activity_regulariser_is_in_each_examples_own_gradient(tmp_path):
   """The update's objective counts a Keras activity regulariser once per example (Keras divides
   it by the batch size, the trainer multiplies it by the weight sum), so the recorded output
   gradients hold each example's own penalty: g_i = grad(l_i + r_i) with unit weights."""
-  config = helpers.tiny_config(**{"per_example.every_steps": 1, "train_steps": 1,
-                                  "batch_size": 8})
-  task = example_tasks.ActivityRegularised(config)
-  strategy, trainer = helpers.build(config, tmp_path / "w", task)
-  initial, _ = helpers.snapshot(strategy, trainer)
-  writer = tf.summary.create_file_writer(str(tmp_path / "tb"))
-  with writer.as_default():
-    trainer.train(tf.constant(1))
-  writer.flush()
-  events = _events(tmp_path / "tb")
+  overrides = {"per_example.every_steps": 1, "train_steps": 1, "batch_size": 8}
+  _, trainer, initial, events = _train_with_summaries(tmp_path, overrides, 1,
+                                                      example_tasks.ActivityRegularised)
+  config, task = trainer.config, trainer.task
 
   def own_penalty(model, batch):
     logits = model(batch["x"], training=True)

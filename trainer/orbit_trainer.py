@@ -278,10 +278,11 @@ class Trainer(orbit.StandardTrainer):
     replica_state.assign_means(state, reduced.state)
     outputs = (reduced.scalars[:len(self.metric_names)], reduced.grad_norm)
     if context is not None:
+      data_grads, data_norm = self.statistics.data_gradient(reduced)
       statistics = self.statistics.statistics(reduced.scalars[len(self.metric_names):],
-                                              reduced.grad_norm, reduced.scalars[1])
+                                              data_norm, reduced.scalars[1])
       norms_and_cosines = self.statistics.norms_and_cosines(
-          context["active"], reduced.grads, context["terms"], context["rec"],
+          context["active"], data_grads, context["terms"], context["rec"],
           context["output_grads"], context["loss_scale"], context["batch"], context["losses"])
       gathered = tf.distribute.get_replica_context().all_gather(norms_and_cosines, axis=0)
     applied = update.apply_or_skip(

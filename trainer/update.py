@@ -59,6 +59,7 @@ class ReducedUpdate:
 
   Attributes:
     grads: normalised (÷ Σweight, ÷ loss scale) and clipped gradients, one per variable.
+    unclipped: the same before clipping (`grads` itself without clipping).
     scalars: reduced sums [loss, weight, metrics...].
     grad_norm: global norm before clipping.
     finite: every gradient entry and the loss sum are finite.
@@ -69,6 +70,7 @@ class ReducedUpdate:
   grad_norm: tf.Tensor
   finite: tf.Tensor
   state: list
+  unclipped: list
 
 
 def finalize_gradients(grad_sums, scalar_sums, *, loss_scale=None, global_clipnorm=0.0,
@@ -90,9 +92,11 @@ def finalize_gradients(grad_sums, scalar_sums, *, loss_scale=None, global_clipno
   grads = [g / divisor for g in grads]
   norm = tf.linalg.global_norm(grads)
   finite = tf.logical_and(tf.math.is_finite(norm), tf.math.is_finite(scalars[0]))
+  unclipped = grads
   if global_clipnorm:
     grads, _ = tf.clip_by_global_norm(grads, global_clipnorm, use_norm=norm)
-  return ReducedUpdate(grads=grads, scalars=scalars, grad_norm=norm, finite=finite, state=state)
+  return ReducedUpdate(grads=grads, scalars=scalars, grad_norm=norm, finite=finite, state=state,
+                       unclipped=unclipped)
 
 
 class ReachedVariables:

@@ -11,8 +11,10 @@ cover every example of the update: all k micro-batches on all replicas (the "sma
 the noise scale are the R·k per-replica micro-batches, the big one the k·B examples of the
 update). Cosines (`mean_cosine`, the `cosines` and `norms` histograms) cover the update's LAST
 micro-batch, the one whose activations are still alive when the update's gradient G is known;
-cosines are to G. With weight regularisers G includes their gradient; the g_i do not. An
-activity regulariser is in each g_i as the example's own share (docs/per_example.md).
+cosines are to G, the update's gradient before clipping and without the gradient of Keras
+weight regularisers (`kernel_regularizer`...), which act on the weights, not through any
+example, so G is Σ g_i / Σ w_i. An activity regulariser is in each g_i as the example's own
+share (docs/per_example.md).
 
 How, all traced:
 
@@ -89,6 +91,7 @@ class UpdateStatistics:
     self.num_sums = 2 * len(self.recorder.variables) + 3
     self._small_batches = num_replicas * accumulation_steps
     self._num_parameters = sum(int(v.shape.num_elements()) for v in self.recorder.variables)
+    self._model = model
 
   # --- Replica context (traced).
   @contextlib.contextmanager
@@ -193,6 +196,29 @@ class UpdateStatistics:
     return tf.cond(active, lambda: compute(self._terms(rec, output_grads, loss_scale, batch,
                                                        losses)),
                    lambda: tf.zeros([tf.shape(losses)[0], 2]))
+
+  def data_gradient(self, reduced):
+    """(G, |G|): the update's normalised gradient before clipping, less the gradient of the
+    model's weight regularisers (one per trainable variable, as `reduced.grads`).
+
+    The update's objective holds the regularisers once (`OrbitTrainer.local_sums`), so after
+    the normalisation their gradient is added to Σ g_i / Σ w_i unscaled; it is computed here
+    from the weights alone, with no communication. Without regularisers: `reduced.grads` (the
+    cosines do not depend on clipping) and the pre-clip norm.
+    """
+    variables = self._model.trainable_variables
+    regularised = [i for i, v in enumerate(variables)
+                   if getattr(v, "regularizer", None) is not None]
+    if not regularised:
+      return reduced.grads, reduced.grad_norm
+    with tf.GradientTape() as tape:
+      penalty = tf.add_n([tf.cast(variables[i].regularizer(variables[i]), tf.float32)
+                          for i in regularised])
+    penalty_grads = dict(zip(regularised, tape.gradient(
+        penalty, [variables[i] for i in regularised])))
+    grads = [g if penalty_grads.get(i) is None else g - tf.cast(penalty_grads[i], g.dtype)
+             for i, g in enumerate(reduced.unclipped)]
+    return grads, tf.linalg.global_norm(grads)
 
   def statistics(self, sums, grad_norm, weight_sum):
     """The scalar statistics from the reduced sums; `grad_norm` of the normalised update."""

@@ -129,7 +129,7 @@ def _crash_ops(model, batch, one_example) -> list:
     graph = tf.function(one_example, autograph=False).get_concrete_function(spec).graph
     found = kernels.crash_ops_in(graph)
   except Exception:  # pylint: disable=broad-except
-    return []  # The function fails to trace: the path itself raises it, as it would have.
+    found = []  # It fails to trace on one example: the path itself raises, as it would have.
   _CRASH_OPS[model] = found
   return found
 

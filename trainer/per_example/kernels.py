@@ -34,11 +34,14 @@ def onednn_on():
 
 
 @functools.lru_cache(maxsize=None)
+def cpu_only() -> bool:
+  """True when this process has no GPU or TPU: every kernel runs on the CPU."""
+  return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+
+
 def eigen_cpu() -> bool:
   """True when the formulas run on Eigen's CPU kernels: oneDNN known off and no GPU or TPU."""
-  if onednn_on() is not False:
-    return False
-  return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+  return onednn_on() is False and cpu_only()
 
 
 # The ops pfor turns into batched matmuls that crash with oneDNN on (below): tf.matmul of a
@@ -52,9 +55,7 @@ PFOR_CRASH_OPS = frozenset({"BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Ei
 def pfor_crash_possible() -> bool:
   """Whether this process runs the CPU kernels under which pfor can crash: oneDNN on (or
   unknown) and no GPU or TPU. Python only."""
-  if onednn_on() is False:
-    return False
-  return not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+  return onednn_on() is not False and cpu_only()
 
 
 def pfor_crashes_on(layers) -> bool:
