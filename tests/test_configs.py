@@ -7,7 +7,9 @@ import pytest
 import tensorflow as tf
 
 import helpers
+from trainer import errors
 from trainer import validation
+from trainer.tasks import npz
 
 FASHION_RECIPES = ["fashion_mnist", "accumulate_cnn", "triplet_vgg", "per_example_stats",
                    "contrastive"]
@@ -60,6 +62,35 @@ def test_npz_recipe_without_a_path_is_one_line(tmp_path):
   assert out.stderr.strip().splitlines()[-1] == (
       "microstep: error: `data.path` is empty; set it to your .npz file, e.g. "
       "--config.data.path=/data/mine.npz")
+
+
+def _npz_with(path, **changes):
+  """The small `.npz` above with some arrays replaced."""
+  with np.load(_npz(path)) as f:
+    arrays = dict(f)
+  arrays.update(changes)
+  np.savez(path, **arrays)
+  return str(path)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(x_train=np.zeros((0, 8, 8), np.float32), y_train=np.zeros((0,), np.int64)),
+     "y_train is empty"),
+    (dict(x_train=np.zeros((255, 8, 8), np.float32)), "x_train has 255 rows but y_train has 256"),
+    (dict(y_test=np.full((64,), 0.5, np.float32)), "y_test must be integers >= 0"),
+    (dict(y_test=np.full((64,), -1)), "y_test must be integers >= 0"),
+    (dict(y_test=np.full((64,), 5)), "y_test span [0, 5] but the classes are 0..2"),
+    (dict(x_test=np.zeros((64, 7, 8), np.float32)),
+     "x_test has examples of shape (7, 8); the training examples are (8, 8)"),
+])
+def test_every_split_of_an_npz_is_checked_before_training(tmp_path, changes, message):
+  """A bad test split used to surface after training (or never: float labels were truncated)."""
+  config = importlib.import_module("configs.npz_arrays").get_config("smoke")
+  config.data.path = _npz_with(tmp_path / "mine.npz", **changes)
+  with pytest.raises(errors.DataError, match=None) as raised:
+    npz.NpzClassification(config)
+  assert message in str(raised.value)
+  assert "\n" not in str(raised.value)
 
 
 def test_seed_004_full_vgg16_builds_and_updates(tmp_path):

@@ -494,9 +494,10 @@ def test_newest_checkpoint_number_tells_a_lone_ckpt_0_from_none(tmp_path):
   assert checkpointing.newest_number(str(tmp_path)) == 12
 
 
-def test_a_loop_of_skipped_updates_reports_nan_loss_not_zero(tmp_path):
+def test_a_loop_of_skipped_updates_reports_nan_loss_not_zero(tmp_path, caplog):
   """A loop whose every update was skipped logged and wrote `loss 0.0000` (and accuracy 0):
-  a diverging run looked perfect in TensorBoard (a probe, 2026-12-06). It has no mean: NaN."""
+  a diverging run looked perfect in TensorBoard (a probe, 2026-12-06). It has no mean: NaN.
+  Skipped updates were only a count in the INFO line; each loop with some now warns."""
   config = helpers.tiny_config(**{"task": "example_tasks:Flaky", "data.shuffle": False,
                                   "batch_size": 16, "steps_per_loop": 1,
                                   "max_consecutive_skips": 20})
@@ -505,3 +506,7 @@ def test_a_loop_of_skipped_updates_reports_nan_loss_not_zero(tmp_path):
   assert int(trainer.skipped_updates.numpy()) == 2  # Updates 1 and 2 (two batches in three).
   assert np.isfinite(losses[0]) and losses[0] > 0 and np.isfinite(losses[3]), losses
   assert np.isnan(losses[1]) and np.isnan(losses[2]), losses
+  warned = [r.getMessage() for r in caplog.records if "were skipped" in r.getMessage()]
+  assert [w.split(" (")[0] for w in warned] == [
+      "1 of updates 2..2 were skipped, weights unchanged",
+      "1 of updates 3..3 were skipped, weights unchanged"], warned

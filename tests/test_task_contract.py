@@ -316,3 +316,61 @@ def test_state_written_k_times_per_update_is_named_in_a_warning(tmp_path, caplog
   assert result["global_step"] == 2
   warned = [r.getMessage() for r in caplog.records if "once per micro-step" in r.getMessage()]
   assert len(warned) == 1 and "counter/calls" in warned[0] and "2 times per update" in warned[0]
+
+
+class BuiltBeforeTheRun(example_tasks.NoMetrics):
+  """The model is made in the constructor, outside the strategy's scope; build_model returns it.
+  Under Mirrored this failed in the first step inside Keras (colocate_vars_with)."""
+
+  def __init__(self, config):
+    super().__init__(config)
+    self._model = example_tasks._mlp()  # pylint: disable=protected-access
+
+  def build_model(self):
+    return self._model
+
+
+def test_a_model_built_before_the_run_is_one_line_under_mirrored(tmp_path):
+  with pytest.raises(errors.TaskError, match=r"^BuiltBeforeTheRun.build_model: variable \S+ was "
+                     "created outside the MirroredStrategy scope; create the model inside "
+                     "build_model") as info:
+    _train(BuiltBeforeTheRun, tmp_path, strategy="mirrored", cpu_replicas=2)
+  assert "\n" not in str(info.value)
+
+
+class Float16Policy(example_tasks.NoMetrics):
+  """Sets Keras' global policy itself: without `mixed_precision`=mixed_float16 no loss scaling
+  runs and the gradients were silently zero."""
+
+  def build_model(self):
+    keras.config.set_dtype_policy("mixed_float16")
+    return example_tasks._mlp()  # pylint: disable=protected-access
+
+
+def test_a_float16_policy_set_in_build_model_needs_mixed_float16(tmp_path):
+  with pytest.raises(errors.ConfigError, match=r"^`mixed_precision`='float32' but layer '\S+' of "
+                     r"Float16Policy.build_model computes in float16 .*allowed: mixed_float16"):
+    _train(Float16Policy, tmp_path)
+  assert keras.config.dtype_policy().name == "float32"  # The run restored the global policy.
+  assert _train(Float16Policy, tmp_path / "ok", mixed_precision="mixed_float16")[
+      "global_step"] == 2
+
+
+class TextAsObjects(WithStringLookup):
+  """Words in an object array, as a pandas text column gives them."""
+
+  def train_data(self):
+    return dict(super().train_data(), x=np.array(["cat", "horse", "dog", "zebra"] * 16, object))
+
+
+class MixedObjects(WithStringLookup):
+  def train_data(self):
+    return dict(super().train_data(), x=np.array(["cat", 3] * 32, object))
+
+
+def test_text_in_an_object_array_trains_as_text(tmp_path):
+  """It was refused as 'dtype object; expected numbers', though string fields are supported."""
+  assert _train(TextAsObjects, tmp_path)["global_step"] == 2
+  with pytest.raises(errors.DataError, match=r"^train_data\(\) field 'x' has dtype object "
+                     r"holding int, str; allowed: numbers, or text of one kind"):
+    _train(MixedObjects, tmp_path / "mixed")

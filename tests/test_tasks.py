@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -288,6 +289,65 @@ def test_export_round_trips_in_a_fresh_process(tmp_path):
   served = np.load(tmp_path / "served.npy")
   assert served.shape == expected.shape == (5, 2)
   assert np.max(np.abs(served - expected)) <= 1e-6
+
+
+class WordsAndSizes(keras.Model):
+  """A subclassed model over a dict with a string field."""
+
+  def __init__(self):
+    super().__init__()
+    self.lookup = keras.layers.StringLookup(vocabulary=["cat", "dog", "horse"])
+    self.embed = keras.layers.Embedding(4, 3)
+    self.out = keras.layers.Dense(2)
+
+  def call(self, inputs):
+    words = self.embed(self.lookup(inputs["word"]))
+    return self.out(tf.concat([words, inputs["size"]], axis=-1))
+
+
+def _words_and_sizes(n):
+  rng = np.random.RandomState(n)
+  return {"word": np.array(["cat", "dog", "horse", "eel"])[rng.randint(0, 4, n)],
+          "size": rng.normal(size=(n, 1)).astype(np.float32), "y": rng.randint(0, 2, n)}
+
+
+class WordsAndSizesTask(base_task.Task):
+  """Passes the whole batch (labels too) to a subclassed model; no serving_signature()."""
+
+  def build_model(self):
+    self.model = WordsAndSizes()
+    self.model(_words_and_sizes(2))
+    return self.model
+
+  def train_data(self):
+    return _words_and_sizes(64)
+
+  def eval_data(self):
+    return None
+
+  def per_example_loss(self, model, batch, training):
+    logits = model(batch, training=training)
+    return base_task.LossOutput(loss=tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=batch["y"], logits=logits))
+
+
+def test_a_subclassed_model_exports_the_inputs_the_task_gives_it(tmp_path):
+  """Keras guessed float32 for every input of a subclassed model: the export of this model took
+  a float for the words, lost the field names, and could not serve (exit 0 all the same)."""
+  config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "export_at_end": True,
+                                  "mode": "train"})
+  task = WordsAndSizesTask(config)
+  loaded = tf.saved_model.load(run.run(config, str(tmp_path), task=task)["export"])
+  serving = loaded.signatures["serving_default"]
+  assert {n: s.dtype for n, s in serving.structured_input_signature[1].items()} == {
+      "word": tf.string, "size": tf.float32}  # Not `y`: the model never reads it.
+  inputs = _words_and_sizes(5)
+  del inputs["y"]
+  expected = task.model(inputs, training=False).numpy()
+  served = next(iter(serving(word=tf.constant(inputs["word"]),
+                             size=tf.constant(inputs["size"])).values())).numpy()
+  assert np.max(np.abs(served - expected)) <= 1e-6
+  assert np.max(np.abs(loaded.serve(inputs).numpy() - expected)) <= 1e-6
 
 
 def test_mode_export_writes_the_checkpointed_model(tmp_path):

@@ -308,3 +308,30 @@ def check_contract(task, model) -> None:
   except TypeError as e:
     raise errors.TaskError(f"{name}.{method_name} cannot be called as (model, batch, "
                            f"training=...): {e}") from None
+
+
+def check_model_fits_run(task, model, strategy, mixed_precision: str) -> None:
+  """Eager, host, once per run, after `check_contract`: the model was built for this run.
+
+  Raises TaskError when its variables were created outside `strategy.scope()` (a model built
+  before the run, e.g. in the task's constructor: Mirrored then fails deep inside Keras), and
+  ConfigError when layers compute in float16 but `mixed_precision` is not mixed_float16 (a
+  policy set inside build_model: without loss scaling small gradients flush to zero).
+  """
+  name = type(task).__name__
+  outside = [v for v in model.variables
+             if not strategy.extended.variable_created_in_scope(getattr(v, "value", v))]
+  if outside:
+    raise errors.TaskError(
+        f"{name}.build_model: variable {getattr(outside[0], 'path', outside[0].name)} was "
+        f"created outside the {type(strategy).__name__} scope; create the model inside "
+        "build_model (microstep calls it under strategy.scope()), not before the run")
+  if mixed_precision == "mixed_float16":
+    return
+  float16 = [layer for layer in model._flatten_layers(include_self=False)  # pylint: disable=protected-access
+             if getattr(layer, "compute_dtype", None) == "float16"]
+  if float16:
+    raise errors.ConfigError(
+        f"`mixed_precision`={mixed_precision!r} but layer {float16[0].name!r} of "
+        f"{name}.build_model computes in float16 (a dtype policy set in the task?); allowed: "
+        "mixed_float16 (with loss scaling), or layers in float32/bfloat16")

@@ -78,10 +78,21 @@ def _check_arrays(arrays: dict, what: str) -> dict:
     raise errors.DataError(f"{what} is empty; expected at least one example")
   for name, array in arrays.items():
     if array.dtype == object:
-      raise errors.DataError(f"{what} field {name!r} has dtype object; expected numbers")
+      arrays[name] = array = _strings_from_objects(array, f"{what} field {name!r}")
     if np.issubdtype(array.dtype, np.floating) and not np.all(np.isfinite(array)):
       raise errors.DataError(f"{what} field {name!r} contains NaN or Inf values")
   return arrays
+
+
+def _strings_from_objects(array: np.ndarray, what: str) -> np.ndarray:
+  """An object array of Python str (or of bytes), as pandas gives text columns, becomes a
+  string array; one of mixed or other Python objects raises DataError."""
+  kinds = {type(value) for value in array.ravel()}
+  if len(kinds) == 1 and kinds <= {str, bytes}:
+    return array.astype(kinds.pop())
+  raise errors.DataError(
+      f"{what} has dtype object holding {', '.join(sorted(k.__name__ for k in kinds))}; "
+      "allowed: numbers, or text of one kind (all str or all bytes)")
 
 
 def _load_npz(path: str, what: str) -> dict:

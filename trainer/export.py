@@ -4,8 +4,12 @@
 
 Written with Keras 3's `model.export(format="tf_saved_model")`, which saves the model's forward
 pass in inference mode (`training=False`) as the `serve` endpoint and `serving_default`
-signature. The input signature is the model's own `inputs`, or `Task.serving_signature()` for
-models without them (subclassed models). The files are written to a temporary directory and
+signature. The input signature is `Task.serving_signature()` if the task gives one, else the model's own
+`inputs` (functional and Sequential models). A subclassed model has no `inputs`, and Keras
+would guess float32 for every input it saw (a string field, a dict's names: lost, and an
+export that cannot serve); its signature is instead read from how the task calls it: the
+task's loss is traced on the training data's specs, and the structure passed to the model,
+less the dict fields the model does not read, becomes the signature (named after the fields). The files are written to a temporary directory and
 renamed into place, so `export/<update>` is either complete or absent. Local and gs:// workdirs
 alike (`tf.io.gfile`; on GCS a directory rename copies, so it is not atomic there).
 
@@ -17,11 +21,16 @@ while exporting) are removed. An export of the same update that is already in pl
 complete (`saved_model.pb`) is kept: it holds the same weights.
 """
 import os
+from typing import Optional
+from unittest import mock
 
 from absl import logging
+import keras
 import tensorflow as tf
 
+from trainer import base_task
 from trainer import checkpointing
+from trainer import data
 from trainer import errors
 
 
@@ -53,12 +62,74 @@ def _complete(path: str) -> bool:
   return tf.io.gfile.exists(os.path.join(path, "saved_model.pb"))
 
 
-def export_model(task, model, workdir: str, step: int) -> str:
-  """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path."""
+def _batch_spec(source, batch_size: int) -> dict:
+  """TensorSpecs of a training batch of `source` (host; builds the pipeline, reads nothing)."""
+  context = tf.distribute.InputContext()
+  if isinstance(source, data.DatasetFactory):
+    return data.factory_train_stream(context, source, batch_size).element_spec
+  return data.train_stream(context, source, batch_size, seed=0, shuffle=False).element_spec
+
+
+def _read_inputs(model, spec):
+  """`spec` less the fields of a top-level dict that the model's graph never reads (labels,
+  weights: tasks often pass the whole batch); leaves are named after their fields."""
+  if not isinstance(spec, dict) or not all(isinstance(v, tf.TensorSpec) for v in spec.values()):
+    return spec
+  spec = {name: tf.TensorSpec(v.shape, v.dtype, name=name) for name, v in spec.items()}
+  graph = tf.function(lambda inputs: model(inputs, training=False),
+                      input_signature=[spec]).get_concrete_function().graph
+  placeholders = dict(zip(sorted(spec), graph.inputs))  # tf.nest orders a dict by key.
+  return {name: v for name, v in spec.items() if placeholders[name].consumers()} or spec
+
+
+def recorded_signature(task, model, source, batch_size: int) -> Optional[list]:
+  """The input signature of a subclassed model, from the inputs the task passes to it.
+
+  Eager, host (traces the task's loss once; runs nothing). One spec structure per positional
+  argument of the task's first call of the model, as Keras orders a signature. None for
+  functional and Sequential models (Keras knows their inputs), and, with a warning, when the
+  task's calls cannot be read (Keras then infers float32 inputs).
+  """
+  if isinstance(model, keras.Sequential) or getattr(model, "_inputs_struct", None) is not None:
+    return None
+  seen = []
+  call = type(model).__call__
+
+  def recording_call(self, *args, **kwargs):
+    if self is model and not seen:
+      seen.append(args)
+    return call(self, *args, **kwargs)
+  trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
+                      input_signature=[_batch_spec(source, batch_size)])
+  try:
+    with mock.patch.object(type(model), "__call__", recording_call):
+      trace.get_concrete_function()
+  except Exception as e:  # pylint: disable=broad-except  (The run itself traced this fine.)
+    logging.warning("export: could not trace %s's loss outside the run (%s)", type(task).__name__,
+                    errors.describe_error(e))
+    seen.clear()
+  args = seen[0] if seen else ()
+  if not args or not all(isinstance(t, tf.Tensor) for t in tf.nest.flatten(args)):
+    logging.warning("export: the inputs of subclassed model %s are Keras' guess (float32); if "
+                    "it takes other dtypes or a dict, give %s a serving_signature()",
+                    type(model).__name__, type(task).__name__)
+    return None
+  spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), args)
+  return [_read_inputs(model, spec[0])] if len(spec) == 1 else list(spec)
+
+
+def export_model(task, model, workdir: str, step: int, source=None, batch_size: int = 1) -> str:
+  """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path.
+
+  The input signature is `task.serving_signature()`, else the one recorded from the task's
+  calls on the training `source` (subclassed models), else the model's own inputs.
+  """
   final = os.path.join(workdir, "export", str(step))
   partial = f"{final}.partial.{os.getpid()}"
   signature = task.serving_signature()
   try:
+    if signature is None and source is not None:
+      signature = recorded_signature(task, model, source, batch_size)
     _remove_stale_partials(final)
     _remove(partial)
     tf.io.gfile.makedirs(os.path.dirname(final))

@@ -332,13 +332,14 @@ class Trainer(orbit.StandardTrainer):
   def train_loop_begin(self):
     with self.strategy.scope():
       self.loop_sums.assign(tf.zeros_like(self.loop_sums))
-    self._loop_start = (time.perf_counter(), int(self.global_step.numpy()))
+    self._loop_start = (time.perf_counter(), int(self.global_step.numpy()),
+                        int(self.skipped_updates.numpy()))
     if not self._skip_history:
-      self._skip_history.append((self._loop_start[1], int(self.skipped_updates.numpy())))
+      self._skip_history.append(self._loop_start[1:])
 
   def train_loop_end(self):
     """Loop metrics (TensorBoard scalars via the Controller) and one fixed-format log line."""
-    start_time, start_step = self._loop_start
+    start_time, start_step, start_skipped = self._loop_start
     elapsed = max(time.perf_counter() - start_time, 1e-9)
     step = int(self.global_step.numpy())
     sums = self.loop_sums.numpy()
@@ -363,6 +364,9 @@ class Trainer(orbit.StandardTrainer):
                  "ETA %ds | lr %.3g | skipped %d", step, self.config.train_steps, output["loss"],
                  shown, steps_per_s, examples_per_s, eta, output["learning_rate"],
                  output["skipped_updates"])
+    if output["skipped_updates"] > start_skipped:  # Else only a number in the line above.
+      logging.warning("%d of updates %d..%d were skipped, weights unchanged (%s)",
+                      output["skipped_updates"] - start_skipped, start_step + 1, step, _SKIP_CAUSES)
     if not self._warned_state_writes:  # After the first loop: the step is traced.
       self._warned_state_writes = True
       replica_state.warn_state_writes(self._state, self.accumulation_steps,

@@ -189,8 +189,10 @@ def build(config, workdir, task=None):
     model = task.build_model()
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   base_task.check_contract(task, model)
+  base_task.check_model_fits_run(task, model, strategy, config.mixed_precision)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
+  trainer.train_source = train_source  # Its specs give a subclassed model's export signature.
   checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
   checkpoints = checkpointing.checkpoint_dir(workdir)
   # Multi-worker: the same newest checkpoint on every worker before any restore (a restore
@@ -342,7 +344,9 @@ def _run(config, workdir: str, task, lock) -> dict:
           f"resume from the last checkpoint") from e
   step = int(trainer.global_step.numpy())
   if chief and (config.mode == "export" or (training and config.export_at_end)):
-    result["export"] = export.export_model(trainer.task, trainer.model, workdir, step)
+    result["export"] = export.export_model(
+        trainer.task, trainer.model, workdir, step, source=trainer.train_source,
+        batch_size=config.batch_size // strategy.num_replicas_in_sync)
   result["global_step"] = step
   result["skipped_updates"] = int(trainer.skipped_updates.numpy())
   result = _strict_json(result)

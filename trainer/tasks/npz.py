@@ -40,16 +40,42 @@ class NpzClassification(base_task.Task):
       raise errors.DataError(f"`data.path`={path!r} is not a readable .npz file "
                              f"({type(e).__name__})") from None
     x, y = self._split("train")
-    if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1 or y.min() < 0:
-      raise errors.DataError(f"`data.path` {self._key('labels', 'train')} must be integers >= 0 "
-                             f"of shape [N]; got {y.dtype} {y.shape}")
+    if len(y) == 0:
+      raise errors.DataError(f"`data.path` {self._key('labels', 'train')} is empty; training "
+                             "needs at least one example")
+    self._check_labels(y, "train")
     self.num_classes = int(config.data.num_classes or y.max() + 1)
-    if y.max() >= self.num_classes:
-      raise errors.DataError(f"labels span [0, {y.max()}] but `data.num_classes`="
-                             f"{self.num_classes}")
     self.input_shape = x.shape[1:]
+    self._check_split("train")
+    if self._key("features", "test") in self._arrays:
+      self._check_split("test")
     if config.model == "small_cnn" and len(self.input_shape) not in (2, 3):
       raise errors.DataError(f"`model`=small_cnn needs images [N, H, W(, C)]; x has shape {x.shape}")
+
+  def _check_labels(self, y, split: str):
+    """Labels are integers >= 0 of shape [N] (float labels would be truncated silently)."""
+    if not np.issubdtype(y.dtype, np.integer) or y.ndim != 1 or (len(y) and y.min() < 0):
+      raise errors.DataError(f"`data.path` {self._key('labels', split)} must be integers >= 0 "
+                             f"of shape [N]; got {y.dtype} {y.shape}")
+
+  def _check_split(self, split: str):
+    """Checks one split against the training split before anything is computed, so that a bad
+    test split fails at start, not after training."""
+    x, y = self._split(split)
+    self._check_labels(y, split)
+    if len(y) and y.max() >= self.num_classes:
+      raise errors.DataError(f"`data.path` {self._key('labels', split)} span [0, {y.max()}] but "
+                             f"the classes are 0..{self.num_classes - 1} (`data.num_classes`="
+                             f"{self.config.data.num_classes or 'from the training labels'})")
+    if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+      raise errors.DataError(f"`data.path` {self._key('features', split)} must hold numbers; "
+                             f"got dtype {x.dtype}")
+    if len(x) != len(y):
+      raise errors.DataError(f"`data.path` {self._key('features', split)} has {len(x)} rows but "
+                             f"{self._key('labels', split)} has {len(y)}")
+    if x.shape[1:] != self.input_shape:
+      raise errors.DataError(f"`data.path` {self._key('features', split)} has examples of shape "
+                             f"{x.shape[1:]}; the training examples are {self.input_shape}")
 
   def _key(self, kind: str, split: str) -> str:
     return f"{self.config.data[kind + '_key']}_{split}"
