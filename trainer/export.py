@@ -4,12 +4,13 @@
 
 Written with Keras 3's `model.export(format="tf_saved_model")`, which saves the model's forward
 pass in inference mode (`training=False`) as the `serve` endpoint and `serving_default`
-signature. The input signature is `Task.serving_signature()` if the task gives one, else the model's own
-`inputs` (functional and Sequential models). A subclassed model has no `inputs`, and Keras
-would guess float32 for every input it saw (a string field, a dict's names: lost, and an
-export that cannot serve); its signature is instead read from how the task calls it: the
-task's loss is traced on the training data's specs, and the structure passed to the model,
-less the dict fields the model does not read, becomes the signature (named after the fields). The files are written to a temporary directory and
+signature. The input signature is `Task.serving_signature()` if the task gives one, else the
+model's own `inputs` (functional and Sequential models). A subclassed model has no `inputs`,
+and Keras would guess float32 for every input it saw (a string field, a dict's names: lost,
+and an export that cannot serve); its signature is instead read from how the task calls it:
+the task's loss is traced on the training data's specs, and the structure passed to the model,
+less the dict fields the model does not read, becomes the signature (named after the fields).
+The files are written to a temporary directory and
 renamed into place, so `export/<update>` is either complete or absent. Local and gs:// workdirs
 alike (`tf.io.gfile`; on GCS a directory rename copies, so it is not atomic there).
 
