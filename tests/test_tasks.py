@@ -142,6 +142,26 @@ def test_task_errors_are_one_line_with_exit_2(tmp_path, task, code, message):
   assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("task,message", [
+    ("example_tasks:BadLoss", "loss has shape (16, 1); expected one value per example"),
+    ("example_tasks:MaskedLoss", "MaskedLoss.per_example_loss: loss has another number of values "
+     "than the batch has examples"),
+    ("example_tasks:LabelsOutOfRange", "Received a label value of 5 which is outside the valid "
+     "range of [0, 2)."),
+])
+def test_task_errors_under_two_replicas_are_the_same_one_line(tmp_path, task, message):
+  # Two replicas failing in one step: TF reports each as a root error (the line used to be
+  # "... 0 derived errors ignored", sent as a data error); an error raised while tracing a
+  # replica's function was logged with its traceback by TF's coordinator before the line.
+  out = helpers.run_cli(tmp_path, "configs/fashion_mnist.py:smoke", f"task={task}",
+                        "strategy=mirrored", "cpu_replicas=2", timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("microstep: error:") and message in last, last
+  assert "derived errors" not in last
+  assert "Traceback" not in out.stderr and "Coordinator" not in out.stderr, out.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ exactness, Transformer ----
 def test_transformer_accumulation_equals_the_big_batch(tmp_path):
   """Text task, k=4 under Mirrored(2), AdamW + clipping + warm-up: equals one big step, 1e-6."""

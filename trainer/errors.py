@@ -5,6 +5,7 @@ import cycles. `MicrostepError.ag_pass_through` asks AutoGraph to let these erro
 unchanged when they are raised while a tf.function is traced (it would otherwise wrap them in a
 multi-line `StagingError`).
 """
+import logging
 import re
 
 
@@ -23,6 +24,21 @@ class DataError(MicrostepError):
 
 class TaskError(MicrostepError):
   """A task broke the `trainer.base_task` contract (e.g. a loss of the wrong shape)."""
+
+
+def drop_replica_reports() -> None:
+  """Eager, host, once per process (the command line): under Mirrored and MultiWorkerMirrored,
+  TensorFlow's thread coordinator logs the traceback of an exception raised in a replica's
+  function (INFO, `Error reported to Coordinator`) before it re-raises it in the caller. For a
+  MicrostepError, whose one line the command line prints, that report is dropped."""
+  logger = logging.getLogger("tensorflow")
+  if _reports_no_microstep_error not in logger.filters:
+    logger.addFilter(_reports_no_microstep_error)
+
+
+def _reports_no_microstep_error(record: logging.LogRecord) -> bool:
+  raised = record.exc_info[1] if record.exc_info else None
+  return not isinstance(raised, MicrostepError)
 
 
 def describe_error(error: BaseException) -> str:

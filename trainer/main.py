@@ -53,6 +53,7 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   import tensorflow as tf
   from trainer import checkpointing, errors, preemption, run
+  errors.drop_replica_reports()
   failure = stop = None
   try:
     run.run(_CONFIG.value, _WORKDIR.value)

@@ -84,10 +84,19 @@ _UNEVEN_SHAPES = re.compile(
 TRAINING_MODES = ("train", "train_and_eval")
 
 
+# Several replicas (or devices) that fail in one step: TF lists each root error, indented, as
+# `  (0) INVALID_ARGUMENT: text`, and ends with `N derived errors ignored.`
+_FIRST_ROOT_ERROR = re.compile(r"^\s+\(0\) [A-Z_]+:\s*(\S.*)$", re.MULTILINE)
+
+
 def _said(message: str) -> str:
-  """What a TensorFlow op error says, without its stack: the last line of `message` that is
-  neither indented (TF's node list, a Python traceback's frames) nor TF's preamble (for an error
-  of Python code in a tf.data function, that is the Python exception's own line)."""
+  """What a TensorFlow op error says, without its stack: the first root error's text when
+  several replicas failed, else the last line of `message` that is neither indented (TF's node
+  list, a Python traceback's frames) nor TF's preamble (for an error of Python code in a tf.data
+  function, that is the Python exception's own line)."""
+  root = _FIRST_ROOT_ERROR.search(message)
+  if root:
+    return root.group(1).strip()
   said = [line for line in message.splitlines() if line.strip() and not line[0].isspace()
           and not line.startswith(("Graph execution error", "Detected at node"))]
   return (said[-1] if said else message.strip().splitlines()[-1]).strip()
