@@ -68,6 +68,10 @@ def _wait_for(proc, text, timeout=120):
     (["--config=/nonexistent/cfg.py"], "`--config`=/nonexistent/cfg.py cannot be loaded: [Errno 2]"),
     (["--config=SYNTAX"], "invalid syntax (line 1)"),
     (["--config=RAISES"], "get_config raised RuntimeError: boom in config"),
+    # The file reads a group it never made: its own error, not an override's (there is none).
+    (["--config=MISSING"], "missing.py: get_config raised AttributeError: \"'my_group'\""),
+    (["--config=MISSING", "--config.batch_size=8"],
+     "missing.py: get_config raised AttributeError: \"'my_group'\""),
     ([f"--config={RECIPE}", "--config.nope=1"],
      "`--config.nope` is not a field; allowed in the config: accumulation,"),
     ([f"--config={RECIPE}", "--config.optimizer.lr=1"],
@@ -84,6 +88,9 @@ def _wait_for(proc, text, timeout=120):
 def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message):
   (tmp_path / "syntax.py").write_text("def get_config(:\n  pass\n")
   (tmp_path / "raises.py").write_text("def get_config(arg=None):\n  raise RuntimeError('boom in config')\n")
+  (tmp_path / "missing.py").write_text(
+      "import ml_collections\ndef get_config(arg=None):\n"
+      "  c = ml_collections.ConfigDict({'batch_size': 4})\n  c.my_group.size = 3\n  return c\n")
   # A misspelt field of microstep's own group, in the file (ml_collections takes it silently).
   recipe, _, recipe_arg = RECIPE.partition(":")
   (tmp_path / "typo.py").write_text(
@@ -93,7 +100,8 @@ def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message)
       f"def get_config(arg=''):\n  c = recipe.get_config({recipe_arg!r})\n"
       "  c.per_example.every_step = 1\n  return c\n")
   args = [a.replace("SYNTAX", str(tmp_path / "syntax.py")).replace("RAISES", str(tmp_path / "raises.py"))
-          .replace("TYPO", str(tmp_path / "typo.py")) for a in args]
+          .replace("TYPO", str(tmp_path / "typo.py")).replace("MISSING", str(tmp_path / "missing.py"))
+          for a in args]
   if not any(a.startswith("--workdir") for a in args):
     args.append(f"--workdir={tmp_path / 'w'}")
   done = subprocess.run(["timeout", "-k", "5", "120", sys.executable, "-m", "trainer.main"] + args,

@@ -44,6 +44,15 @@ def _load(config_arg):
   return module.get_config(arg) if arg else module.get_config()
 
 
+def _loads(config_arg) -> bool:
+  """Whether the config file builds its config without raising (no overrides applied)."""
+  try:
+    _load(config_arg)
+  except Exception:  # pylint: disable=broad-except
+    return False
+  return True
+
+
 def _unknown_field(argv) -> str:
   """`--config.a.b`: one line naming the first override that is not a field, and the allowed."""
   try:
@@ -71,7 +80,9 @@ def _describe(error, argv) -> str:
     reason = re.findall(r"\[Errno \d+\][^\n]*", text)
     return f"`--config`={config_arg} cannot be loaded: {reason[-1] if reason else 'no such file'}"
   if isinstance(error, (AttributeError, KeyError)):
-    return _unknown_field(argv) or f"`--config` override refers to an unknown field {text}"
+    if _loads(config_arg):  # The file is fine by itself: an override names a missing field.
+      return _unknown_field(argv) or f"`--config` override refers to an unknown field {text}"
+    return f"`--config`={config_arg}: get_config raised {type(error).__name__}: {text}"
   if "Error whilst parsing config file" in text:  # get_config raised; its last line says why.
     lines = [l.strip() for l in text.splitlines() if l.strip()]
     return f"`--config`={config_arg}: {lines[-1]}"
