@@ -113,6 +113,36 @@ def test_a_task_with_no_metrics_trains_evaluates_and_logs(tmp_path):
   assert result["eval"]["examples"] == 40.0
 
 
+class _EvalWithoutLabels(example_tasks.NoMetrics):
+  """Evaluation data without the `y` its loss reads; `teacher` is read in training only."""
+
+  def train_data(self):
+    arrays = super().train_data()
+    return dict(arrays, teacher=np.zeros(len(arrays["y"]), np.float32))
+
+  def eval_data(self):
+    return {"x": super().eval_data()["x"]} if self.config.drop_labels else super().eval_data()
+
+  def per_example_loss(self, model, batch, training):
+    loss = example_tasks._xent(model, batch, training)[0]  # pylint: disable=protected-access
+    return base_task.LossOutput(loss=loss + batch["teacher"] if training else loss)
+
+
+@pytest.mark.parametrize("drop_labels", [True, False])
+def test_evaluation_data_lacking_a_field_the_loss_reads_fails_before_training(tmp_path,
+                                                                              drop_labels):
+  config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "eval_every": 2})
+  config.drop_labels = drop_labels
+  if drop_labels:  # It was a KeyError traceback at the first evaluation, after training.
+    with pytest.raises(errors.DataError, match=r"^eval_data\(\) has no field 'y', which "
+                       r"_EvalWithoutLabels reads in evaluation; its fields: x; train_data\(\) "
+                       r"also has teacher, y$"):
+      run.run(config, str(tmp_path), task=_EvalWithoutLabels(config))
+    assert not os.path.exists(tmp_path / "checkpoints" / "checkpoint"), "nothing trained"
+  else:  # Missing `teacher`, read only in training, is fine.
+    assert run.run(config, str(tmp_path), task=_EvalWithoutLabels(config))["global_step"] == 2
+
+
 def test_trainer_train_takes_a_task_instance(tmp_path):
   import trainer  # pylint: disable=g-import-not-at-top
   config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "eval_every": 2})

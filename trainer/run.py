@@ -169,6 +169,31 @@ def _dtype_policy(name: str):
     keras.config.set_dtype_policy(previous)
 
 
+def _check_eval_fields(task, model, train_source, eval_source, batch_size) -> None:
+  """Eager, host, at start: evaluation data that lacks a field of the training data is traced
+  through the task's loss once (nothing runs); a field the loss reads raises DataError now,
+  not as a traceback at the first evaluation, after training. Fields only training reads pass."""
+  train_spec = export._batch_spec(train_source, batch_size)  # pylint: disable=protected-access
+  eval_spec = export._batch_spec(eval_source, batch_size)  # pylint: disable=protected-access
+  if not (isinstance(train_spec, dict) and isinstance(eval_spec, dict)):
+    return
+  missing = sorted(set(train_spec) - set(eval_spec))
+  if not missing:
+    return
+  trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
+                      autograph=False)
+  try:
+    trace.get_concrete_function(eval_spec)
+  except KeyError as e:
+    field = e.args[0] if e.args else missing[0]
+    raise errors.DataError(
+        f"eval_data() has no field {field!r}, which {type(task).__name__} reads in evaluation; "
+        f"its fields: {', '.join(sorted(k for k in eval_spec if k != data.VALID_KEY))}; "
+        f"train_data() also has {', '.join(missing)}") from None
+  except Exception:  # pylint: disable=broad-except  (Anything else: the evaluation reports it.)
+    return
+
+
 def build(config, workdir, task=None):
   """Builds strategy, task, trainer, evaluator and checkpoint manager; restores (eager).
 
@@ -199,6 +224,8 @@ def build(config, workdir, task=None):
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   base_task.check_contract(task, model)
   base_task.check_model_fits_run(task, model, strategy, config.mixed_precision)
+  if eval_source is not None and config.mode != "export":
+    _check_eval_fields(task, model, train_source, eval_source, config.eval_batch_size)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
   trainer.train_source = train_source  # Its specs give a subclassed model's export signature.
