@@ -129,7 +129,8 @@ class WithBatchWeights(tasks.task_class("classification")):
   def per_example_loss(self, model, batch, training):
     out = super().per_example_loss(model, {k: v for k, v in batch.items() if k != "weight"},
                                    training)
-    return base_task.LossOutput(loss=out.loss, weight=batch["weight"], metrics=out.metrics)
+    # Evaluation data (the classification task's) has no `weight`: ones there.
+    return base_task.LossOutput(loss=out.loss, weight=batch.get("weight"), metrics=out.metrics)
 
 
 # ----------------------------------------------------------------------------- the CLI ---------

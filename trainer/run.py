@@ -82,6 +82,7 @@ def _strict_json(value):
 _UNEVEN_SHAPES = re.compile(
     r"component \d+\. First element had shape \[[^\]]*\] and element \d+ had shape \[[^\]]*\]")
 TRAINING_MODES = ("train", "train_and_eval")
+EVALUATING_MODES = ("train_and_eval", "eval", "continuous_eval")
 
 
 # Several replicas (or devices) that fail in one step: TF lists each root error, indented, as
@@ -224,7 +225,7 @@ def build(config, workdir, task=None):
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   base_task.check_contract(task, model)
   base_task.check_model_fits_run(task, model, strategy, config.mixed_precision)
-  if eval_source is not None and config.mode != "export":
+  if eval_source is not None and config.mode in EVALUATING_MODES:
     _check_eval_fields(task, model, train_source, eval_source, config.eval_batch_size)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
