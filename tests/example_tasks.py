@@ -236,6 +236,8 @@ class Flaky(NoMetrics):
 
   def per_example_loss(self, model, batch, training):
     loss = _xent(model, {"x": batch["x"], "y": batch["y"]}, training)[0]
+    if "poison" not in batch:  # Evaluation data (NoMetrics'): no poison field, finite losses.
+      return base_task.LossOutput(loss=loss)
     return base_task.LossOutput(loss=tf.where(batch["poison"] > 0, float("nan"), loss))
 
 
