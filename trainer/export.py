@@ -63,7 +63,7 @@ def _complete(path: str) -> bool:
   return tf.io.gfile.exists(os.path.join(path, "saved_model.pb"))
 
 
-def _batch_spec(source, batch_size: int) -> dict:
+def batch_spec(source, batch_size: int) -> dict:
   """TensorSpecs of a training batch of `source` (host; builds the pipeline, reads nothing)."""
   context = tf.distribute.InputContext()
   if isinstance(source, data.DatasetFactory):
@@ -101,7 +101,7 @@ def recorded_signature(task, model, source, batch_size: int) -> Optional[list]:
       seen.append(args)
     return call(self, *args, **kwargs)
   trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
-                      input_signature=[_batch_spec(source, batch_size)])
+                      input_signature=[batch_spec(source, batch_size)])
   try:
     with mock.patch.object(type(model), "__call__", recording_call):
       trace.get_concrete_function()

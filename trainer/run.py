@@ -174,8 +174,8 @@ def _check_eval_fields(task, model, train_source, eval_source, batch_size) -> No
   """Eager, host, at start: evaluation data that lacks a field of the training data is traced
   through the task's loss once (nothing runs); a field the loss reads raises DataError now,
   not as a traceback at the first evaluation, after training. Fields only training reads pass."""
-  train_spec = export._batch_spec(train_source, batch_size)  # pylint: disable=protected-access
-  eval_spec = export._batch_spec(eval_source, batch_size)  # pylint: disable=protected-access
+  train_spec = export.batch_spec(train_source, batch_size)
+  eval_spec = export.batch_spec(eval_source, batch_size)
   if not (isinstance(train_spec, dict) and isinstance(eval_spec, dict)):
     return
   missing = sorted(set(train_spec) - set(eval_spec))
