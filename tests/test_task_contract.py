@@ -98,6 +98,29 @@ class MetricNamedLoss(example_tasks.NoMetrics):
   metric_names = ("loss",)  # Would overwrite the reported loss.
 
 
+class MetricNamesAString(example_tasks.NoMetrics):
+  metric_names = ("error")  # A one-name tuple without its comma: the str 'error'.
+
+
+class LayerMadeInTheLoss(example_tasks.NoMetrics):
+  """Makes a Dense inside the loss: its variables are not the model's (TF then failed the
+  trace with `tf.function only supports singleton tf.Variables created on the first call`)."""
+
+  def per_example_loss(self, model, batch, training):
+    logits = keras.layers.Dense(2)(model(batch["x"], training=training))
+    return base_task.LossOutput(loss=keras.losses.sparse_categorical_crossentropy(
+        batch["y"], logits, from_logits=True))
+
+
+class StateMadeInTheLoss(example_tasks.NoMetrics):
+  """Makes a non-trainable variable in every call of the loss (TF: `tf.function only supports
+  singleton tf.Variables created on the first call`, a traceback)."""
+
+  def per_example_loss(self, model, batch, training):
+    counter = keras.Variable(0.0, trainable=False)
+    return base_task.LossOutput(loss=_xent(model, batch, training) + 0.0 * counter)
+
+
 class NoTrainingArgument(example_tasks.NoMetrics):
   def per_example_loss(self, model, batch):  # pylint: disable=arguments-differ
     return base_task.LossOutput(loss=_xent(model, batch, False))
@@ -109,6 +132,20 @@ class TupleDataset(example_tasks.NoMetrics):
   def train_data(self):
     arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
     return lambda: tf.data.Dataset.from_tensor_slices((arrays["x"], arrays["y"]))
+
+
+class UnknownRankField(example_tasks.NoMetrics):
+  """Labels from a tf.numpy_function without a shape (it failed inside the evaluation's
+  padding, `TypeError: unsupported operand type(s) for -: 'NoneType' and 'int'`)."""
+
+  def train_data(self):
+    arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
+
+    def labelled():
+      label = lambda i: tf.numpy_function(lambda j: arrays["y"][j], [i], tf.int64)
+      return tf.data.Dataset.from_tensor_slices({"x": arrays["x"], "i": np.arange(64)}).map(
+          lambda e: {"x": e["x"], "y": label(e["i"])})
+    return labelled
 
 
 class FitStyleArrays(example_tasks.NoMetrics):
@@ -222,9 +259,19 @@ class WithStringLookup(example_tasks.NoMetrics):
      "training=True"),
     (MetricNamedLoss, errors.TaskError,
      r"metric_names \['loss'\]: names must be distinct and not one of loss, weight, examples"),
+    (MetricNamesAString, errors.TaskError, r"MetricNamesAString.metric_names is 'error'; "
+     r"expected a tuple of str, e.g. \('accuracy',\) \(a one-name tuple needs its trailing"),
+    (LayerMadeInTheLoss, errors.TaskError, r"^LayerMadeInTheLoss.per_example_loss created 2 "
+     r"trainable variable\(s\) that are not the model's \(kernel, bias\), e.g. a Keras layer "
+     "made inside it; make every layer in build_model$"),
+    (StateMadeInTheLoss, errors.TaskError, r"^the task creates a variable inside the training or "
+     r"evaluation step, in every trace \(e.g. `keras.random.normal\(shape\)` without a seed "),
     (NoTrainingArgument, errors.TaskError,
      r"per_example_loss cannot be called as \(model, batch, training=...\)"),
     (TupleDataset, errors.DataError, "tf.data source elements are tuple; expected dicts"),
+    (UnknownRankField, errors.DataError, r"^the data function 'labelled' yields field 'y' of "
+     r"unknown rank \(e.g. from tf.numpy_function or tf.py_function\); give it a shape in your "
+     r"map, e.g. `tf.ensure_shape\(value, \[28, 28\]\)`$"),
     (FitStyleArrays, errors.DataError, r"train_data\(\) is a tuple of arrays, \(x, y\)"),
     (EmptyDataset, errors.DataError, "the training data yields no batch"),
     (UnevenLengths, errors.DataError,

@@ -43,6 +43,22 @@ def test_every_random_access_source_gives_the_same_batches(tmp_path):
   assert len(epoch1) == 20
 
 
+def test_a_pandas_dataframe_is_the_dict_of_its_columns():
+  """A DataFrame has __len__ and __getitem__, but df[0] is a column: read as records, it failed
+  with `KeyError: 0` in the data pipeline's Python."""
+  import pandas as pd  # pylint: disable=g-import-not-at-top  (installed with tf-models-official)
+  rng = np.random.RandomState(0)
+  columns = {"size": rng.normal(size=30).astype(np.float32), "y": rng.randint(0, 2, 30),
+             "word": np.array(["cat", "dog", "horse"])[rng.randint(0, 3, 30)]}
+  positions = tf.range(0, 45, dtype=tf.int64)
+  got = data.batch_at(data.as_source(pd.DataFrame(columns), "frame"), positions, seed=3,
+                      shuffle=True)
+  want = data.batch_at(data.as_source(columns, "dict"), positions, seed=3, shuffle=True)
+  assert set(got) == set(want) == {"size", "y", "word", data.VALID_KEY}
+  for key in columns:
+    np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+
+
 def test_indexable_records_keep_strings_longer_than_record_0s():
   """They were cut to record 0's length ('horse' -> 'hor')."""
   words = ["cat", "horse", "hippopotamus", "ox"]

@@ -57,6 +57,14 @@ class DatasetFactory:
       raise errors.DataError(
           f"the data function {getattr(self.make, '__name__', self.make)!r} returned a "
           f"{type(dataset).__name__}; it must return a tf.data.Dataset{hint}")
+    spec = dataset.element_spec  # Not a dict: refused with the first batch (`_checked`).
+    for name, field in (spec.items() if isinstance(spec, dict) else ()):
+      if any(isinstance(s, tf.TensorSpec) and s.shape.rank is None  # Padding and the model
+             for s in tf.nest.flatten(field)):                        # need the rank.
+        raise errors.DataError(
+            f"the data function {getattr(self.make, '__name__', self.make)!r} yields field "
+            f"{name!r} of unknown rank (e.g. from tf.numpy_function or tf.py_function); give "
+            "it a shape in your map, e.g. `tf.ensure_shape(value, [28, 28])`")
     if self.takes_input_context:
       return dataset
     if input_context.num_input_pipelines > 1:
@@ -231,6 +239,8 @@ def as_source(obj: Any, what: str):
   if isinstance(obj, tf.data.Dataset):
     raise errors.DataError(f"{what} is a tf.data.Dataset; return a function that builds it "
                            "(e.g. `return lambda: dataset`) so each input pipeline makes its own")
+  if hasattr(obj, "columns") and hasattr(obj, "iloc"):  # A pandas DataFrame: df[0] is a column.
+    return arrays_source({str(c): obj[c].to_numpy() for c in obj.columns}, what)
   if hasattr(obj, "__len__") and hasattr(obj, "__getitem__"):
     return indexable_source(obj, what)
   if callable(obj):

@@ -369,6 +369,14 @@ def _run(config, workdir: str, task, lock) -> dict:
           "every example), on this worker at least (its shard)") from None
     except tf.errors.InvalidArgumentError as e:
       raise errors.DataError(_invalid_batch(e, workdir)) from None
+    except ValueError as e:  # TF's own words for a variable made anew in every trace.
+      if "only supports singleton tf.Variables" not in str(e):
+        raise
+      raise errors.TaskError(
+          "the task creates a variable inside the training or evaluation step, in every trace "
+          "(e.g. `keras.random.normal(shape)` without a seed under a distribution strategy, or "
+          "state made in the loss); create it in build_model, e.g. a "
+          "keras.random.SeedGenerator stored on the model") from None
     except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
             tf.errors.UnknownError) as e:
       if not _INPUT_NODE.search(e.message or ""):
