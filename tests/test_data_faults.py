@@ -91,6 +91,21 @@ def test_a_failing_record_of_a_random_access_source_is_one_line_naming_it(tmp_pa
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-2")
 
 
+class _FirstRecordMissing(_Indexable):
+  def __getitem__(self, i):
+    with open(f"/nonexistent-microstep-test/rec{i}.npy", "rb") as f:
+      return {"x": np.load(f)}
+
+
+def test_a_random_access_source_whose_record_0_fails_is_one_line_at_start(tmp_path):
+  """Record 0 is read at start for the fields' structure: its error was a Python traceback."""
+  with pytest.raises(errors.DataError, match=r"^train_data\(\)\[0\] raised FileNotFoundError: "
+                     r"\[Errno 2\] No such file or directory: '/nonexistent-microstep-test/rec0"
+                     r"\.npy' \(test_data_faults\.py:\d+ in __getitem__\); fix the record") as info:
+    _train(FromSource(_FirstRecordMissing("none")), tmp_path)
+  assert "\n" not in str(info.value)
+
+
 def _write_records(path, num_examples=200):
   arrays = example_tasks._arrays(num_examples, 1)  # pylint: disable=protected-access
   with tf.io.TFRecordWriter(str(path)) as writer:

@@ -141,7 +141,7 @@ def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
   size = len(indexable)
   if size == 0:
     raise errors.DataError(f"{what} has no records (len 0)")
-  first = indexable[0]
+  first = _get(indexable, 0, what)
   if not isinstance(first, dict):
     raise errors.DataError(f"{what}[0] is a {type(first).__name__}; records must be dicts of "
                            "arrays, e.g. {'image': ..., 'label': ...}")
@@ -161,20 +161,24 @@ def indexable_source(indexable, what: str = "data") -> base_task.ExampleSource:
   return base_task.ExampleSource(num_examples=size, take=take)
 
 
-def _record(indexable, i: int, names, what):
-  """Record `i` of a user's indexable, with record 0's fields. Host, inside tf.numpy_function:
-  whatever the user's `__getitem__` raises (an OSError of its storage, an IndexError of a wrong
-  `__len__`, a KeyError of its own code) becomes one line naming the record and where it was
-  raised, instead of a TensorFlow error wrapping a Python traceback (an IndexError would even
-  read as the end of the data)."""
+def _get(indexable, i: int, what):
+  """`indexable[i]` (host): whatever the user's `__getitem__` raises (an OSError of its storage,
+  an IndexError of a wrong `__len__`, a KeyError of its own code) becomes one line naming the
+  record and where it was raised, instead of a Python traceback (record 0, read at start) or a
+  TensorFlow error wrapping one (an IndexError would even read as the end of the data)."""
   try:
-    record = indexable[i]
+    return indexable[i]
   except errors.MicrostepError:
     raise
   except Exception as e:  # pylint: disable=broad-except  (the user's code: any error)
     raise errors.DataError(f"{what}[{i}] raised {errors.describe_error(e)}{_raised_at(e)}; "
                            "fix the record or its source and rerun (it resumes from the latest "
                            "checkpoint)") from None
+
+
+def _record(indexable, i: int, names, what):
+  """Record `i` of a user's indexable, with record 0's fields (host, inside tf.numpy_function)."""
+  record = _get(indexable, i, what)
   if not isinstance(record, dict):
     raise errors.DataError(f"{what}[{i}] is a {type(record).__name__}; records must be dicts of "
                            "arrays, as record 0 is")
