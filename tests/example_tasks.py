@@ -306,6 +306,33 @@ class WithDropout(NoMetrics):
                              keras.layers.Dropout(0.5), keras.layers.Dense(2)])
 
 
+class _CountingScale(keras.layers.Layer):
+  """A scale of its own (`add_weight`: no direct formula, the general path) that counts its
+  training calls and keeps a running mean of its input: state written in the forward."""
+
+  def build(self, input_shape):
+    self.scale = self.add_weight(shape=input_shape[-1:], initializer="ones", name="scale")
+    self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False, name="calls")
+    self.mean = self.add_weight(shape=input_shape[-1:], initializer="zeros", trainable=False,
+                                name="mean")
+
+  def call(self, x, training=False):
+    if training:
+      self.calls.assign_add(1.0)
+      self.mean.assign(0.9 * self.mean + 0.1 * tf.reduce_mean(x, axis=0))
+    return x * self.scale
+
+
+class DropoutAndState(NoMetrics):
+  """The MLP with Dropout behind `_CountingScale`: with per-example statistics on, the general
+  path runs the forward again, once per example."""
+
+  def build_model(self):
+    return keras.Sequential([keras.Input((12,)), _CountingScale(),
+                             keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dropout(0.5), keras.layers.Dense(2)])
+
+
 class PerStepDense(keras.layers.Layer):
   """A Dense applied to each of 3 steps of 4 features by tf.map_fn (a loop in the forward)."""
 

@@ -15,6 +15,7 @@ import helpers
 from trainer import base_task
 from trainer import collectives
 from trainer import data
+from trainer import errors
 from trainer import gradcache
 from trainer import replica_state
 from trainer.tasks import batch_losses
@@ -139,6 +140,18 @@ def test_gradcache_refuses_per_example_tasks_and_batchnorm(tmp_path):
   with pytest.raises(ValueError, match="with trainable BatchNormalization"):
     helpers.build(helpers.tiny_config(**{"task": "contrastive_pairs", "model": "small_cnn_bn",
                                          "accumulation.mode": "gradcache"}), tmp_path / "b")
+
+
+@pytest.mark.parametrize("mode", ["sum", "gradcache"])
+def test_per_example_statistics_of_a_batch_level_loss_are_refused_in_both_modes(tmp_path, mode):
+  """In `sum` mode they ran and logged gns -32, mean_norm 0 on every update (a probe's own
+  InfoNCE task); gradcache's refusal advised `sum`."""
+  config = helpers.tiny_config(**{"task": "contrastive_pairs", "accumulation.mode": mode,
+                                  "accumulation.steps": 2, "per_example.every_steps": 1})
+  with pytest.raises(errors.ConfigError, match=r"^`per_example.every_steps`=1: \w+ has a "
+                     r"batch-level loss \(base_task.BatchLossTask\), whose per-example "
+                     r"gradients are undefined; set it to 0$"):
+    helpers.build(config, tmp_path)
 
 
 def test_batch_hard_triplet_recipe_trains_from_the_cli_and_resumes_bitwise(tmp_path):

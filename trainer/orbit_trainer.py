@@ -53,6 +53,7 @@ def has_trainable_batchnorm(model) -> bool:
 
 def _gradcache_for(config, task, model, strategy):
   """The GradCache of `accumulation.mode=gradcache`, or one line saying why it cannot be."""
+  update_statistics.refuse_batch_loss(config, task)
   if not isinstance(task, base_task.BatchLossTask):
     raise validation.ConfigError(
         f"`accumulation.mode`=gradcache needs a task with a batch-level loss "
@@ -62,9 +63,6 @@ def _gradcache_for(config, task, model, strategy):
     raise validation.ConfigError(
         "`accumulation.mode`=gradcache with trainable BatchNormalization: batch statistics "
         "differ between the passes and mix examples; freeze it or use LayerNormalization")
-  if int(config.per_example.every_steps):
-    raise validation.ConfigError("`per_example.every_steps` needs `accumulation.mode`=sum "
-                                 "(per-example gradients of a batch-level loss are undefined)")
   return gradcache.GradCache(task, model, micro_steps=int(config.accumulation.steps),
                              num_replicas=strategy.num_replicas_in_sync, seed=int(config.seed))
 

@@ -40,13 +40,41 @@ def _writable_state(model) -> list:
   return out
 
 
+@contextlib.contextmanager
+def writes_to(ids):
+  """Yields a set that collects which of the Keras variables `ids` (their `id()`) are assigned
+  while the context is open.
+
+  Patches `keras.Variable.assign` (through which `assign_add`/`assign_sub` and Keras' seed
+  generators also go) for the duration of the Python call only: it acts while tracing and costs
+  nothing at run time. Nests (each context restores what it found).
+  """
+  cls = keras.Variable
+  own = cls.__dict__.get("assign")  # None when `assign` is inherited.
+  original = cls.assign
+  written = set()
+
+  def assign(variable, value):
+    if id(variable) in ids:
+      written.add(id(variable))
+    return original(variable, value)
+
+  cls.assign = assign
+  try:
+    yield written
+  finally:
+    if own is None:
+      del cls.assign
+    else:
+      cls.assign = own
+
+
 class WriteRecorder:
   """Learns, at trace time, which state variables a forward pass writes.
 
-  `with recorder.watching(): forward...` patches `keras.Variable.assign` (through which
-  `assign_add`/`assign_sub` also go) for the duration of the Python call only, so it acts while
-  tracing and costs nothing at run time. `variables` lists the float ones seen, in `model`
-  order (those are averaged); `integers` the others (counters: never averaged).
+  `with recorder.watching(): forward...` (trace time, `writes_to`). `variables` lists the float
+  ones seen, in `model` order (those are averaged); `integers` the others (counters: never
+  averaged).
   """
 
   def __init__(self, model):
@@ -59,24 +87,11 @@ class WriteRecorder:
 
   @contextlib.contextmanager
   def watching(self):
-    cls = keras.Variable
-    own = cls.__dict__.get("assign")  # None when `assign` is inherited.
-    original = cls.assign
-    written, ids = self._written, self._ids
-
-    def assign(variable, value):
-      if id(variable) in ids:
-        written.add(id(variable))
-      return original(variable, value)
-
-    cls.assign = assign
-    try:
-      yield
-    finally:
-      if own is None:
-        del cls.assign
-      else:
-        cls.assign = own
+    with writes_to(self._ids) as written:
+      try:
+        yield
+      finally:
+        self._written |= written
 
   @property
   def variables(self) -> list:

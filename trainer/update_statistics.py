@@ -51,6 +51,17 @@ SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
 HISTOGRAMS = ("norms", "cosines")
 
 
+def refuse_batch_loss(config, task) -> None:
+  """A ConfigError when per-example statistics are asked of a batch-level loss (eager, host):
+  the loss of one example alone (an InfoNCE of one pair) is not its share of the batch's, so
+  per-example gradients are undefined. In `sum` mode every statistic came out 0 or negative."""
+  if int(config.per_example.every_steps) and isinstance(task, base_task.BatchLossTask):
+    raise errors.ConfigError(
+        f"`per_example.every_steps`={int(config.per_example.every_steps)}: "
+        f"{type(task).__name__} has a batch-level loss (base_task.BatchLossTask), whose "
+        "per-example gradients are undefined; set it to 0")
+
+
 class UpdateStatistics:
   """The statistics hook of one trainer; built eagerly with the trainer (see module docstring)."""
 
@@ -59,6 +70,7 @@ class UpdateStatistics:
     self.enabled = self.every > 0
     if not self.enabled:
       return
+    refuse_batch_loss(config, task)
     # BatchNormalization in training mode (batch statistics mix the examples) is refused by
     # the recorder when it is called so, at the first trace: a layer called with
     # training=False (a subclassed model) or frozen is fine.

@@ -22,8 +22,10 @@
   direct formula (raised when the `Recorder` is built).
 
 Each general-path example runs its own forward pass (batch size 1): random layers draw their own
-masks there. Runs eagerly or traced, in replica or cross-replica context; no communication.
+masks there, and the state those passes write (seeds, counters) is restored after them
+(`_state_kept`). Runs eagerly or traced, in replica or cross-replica context; no communication.
 """
+import contextlib
 import logging as pylogging
 import weakref
 
@@ -31,12 +33,14 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from trainer import replica_state
 from trainer.per_example import kernels
 
 PATHS = ("vectorized_map", "loop", "error")
 _WARNED = weakref.WeakSet()  # Models whose pfor crash was logged (once per process).
 _CRASH_OPS = weakref.WeakKeyDictionary()  # Model -> the ops of `kernels.PFOR_CRASH_OPS` it runs.
 _VECTORIZE_WARNED = weakref.WeakKeyDictionary()  # Model -> the failed-pfor lines logged for it.
+_WRITTEN = weakref.WeakKeyDictionary()  # Model -> ids of the state its forward writes.
 
 
 class Refused(ValueError):
@@ -191,9 +195,71 @@ def gradients(model, loss_fn, batch, variables, general_path, guard):
   """One [B, *var.shape] tensor per variable of `variables`, by the chosen general path.
 
   `guard()` is a context manager active around each single-example forward pass (the
-  recorder's BatchNormalization refusal).
+  recorder's BatchNormalization refusal). The model's state is left as the caller's own
+  forward pass left it (`_state_kept`).
   """
   check_path(general_path)
+  if general_path == "error" or not variables:
+    return _gradients(model, loss_fn, batch, variables, general_path, guard)
+  with _state_kept(model, loss_fn, batch, guard):
+    return _gradients(model, loss_fn, batch, variables, general_path, guard)
+
+
+def _state_variables(model) -> list:
+  """A Keras model's non-trainable variables and its random layers' seed states (a `tf.Module`
+  as the model: none, its variables' writes are not watched)."""
+  if not isinstance(model, keras.layers.Layer):
+    return []
+  found = {id(v): v for v in list(model.non_trainable_variables)
+           + replica_state.seed_states(model)}
+  return list(found.values())
+
+
+@contextlib.contextmanager
+def _state_kept(model, loss_fn, batch, guard):
+  """Undoes what the single-example forward passes write to the model's state.
+
+  They run the loss again, B times or vectorized: a random layer's seed (Dropout) moved on, so
+  turning the statistics on changed every later mask and the training (0.03 in the weights
+  after 10 updates, found by a probe), and state a layer writes in training (a counter, a
+  running mean) was written again. The written variables are found by tracing one example's
+  forward pass once (in a graph that never runs, `replica_state.writes_to`); their values are
+  read before the general path and assigned back after it, in program order (traced: the
+  automatic control dependencies order them; eager: as they come). Nothing is read or
+  written for a model whose forward writes no state.
+  """
+  state = _state_variables(model)
+  written = _written_by_forward(model, loss_fn, batch, guard, state) if state else set()
+  kept = [(v, tf.identity(unwrap(v))) for v in state if id(v) in written]
+  yield
+  for variable, value in kept:
+    variable.assign(value)
+
+
+def _written_by_forward(model, loss_fn, batch, guard, state) -> set:
+  """Ids of the `state` variables that one example's forward pass writes (trace time); found
+  once per model (an eager caller's every call would trace it again)."""
+  if model not in _WRITTEN:
+    _WRITTEN[model] = _trace_writes(model, loss_fn, batch, guard, state)
+  return _WRITTEN[model]
+
+
+def _trace_writes(model, loss_fn, batch, guard, state) -> set:
+  spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec([1] + list(t.shape[1:]), t.dtype), batch)
+
+  def forward(example):
+    with guard():
+      return loss_fn(model, example)
+  with replica_state.writes_to({id(v) for v in state}) as written:
+    try:
+      tf.function(forward, autograph=False).get_concrete_function(spec)
+    except Exception:  # pylint: disable=broad-except  (The general path raises it itself.)
+      return {id(v) for v in state}  # Keep everything: nothing is known.
+  return written
+
+
+def _gradients(model, loss_fn, batch, variables, general_path, guard):
   if not variables:
     return []
   if general_path == "error":
