@@ -57,6 +57,33 @@ def test_readers_use_the_newest_intact_checkpoint(trained, tmp_path, mode, how, 
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == before
 
 
+def test_continuous_eval_of_a_finished_run_stops_after_the_last_checkpoint(trained, tmp_path,
+                                                                          monkeypatch):
+  """It evaluated ckpt-6 (train_steps=6), then waited `eval_timeout_s` (600 s by default) for a
+  checkpoint that cannot come (found by a probe, 2026-12-07). It must not poll at all."""
+  def poll(*args, **kwargs):
+    raise AssertionError("continuous_eval waited for a new checkpoint after the last one")
+  monkeypatch.setattr(tf.train, "checkpoints_iterator", poll)
+  result = run.run(_config(mode="continuous_eval", eval_timeout_s=600), str(_copy(trained,
+                                                                                 tmp_path)))
+  assert result["global_step"] == 6 and np.isfinite(result["eval"]["loss"])
+
+
+def test_a_state_file_whose_checkpoints_are_all_gone_is_one_line(trained, tmp_path):
+  """Every ckpt-N deleted, the `checkpoint` state file left: the rerun was TF's NotFoundError
+  traceback from Orbit's restore (found by a probe, 2026-12-07). Nothing may be overwritten."""
+  workdir = _copy(trained, tmp_path)
+  for path in (workdir / "checkpoints").glob("ckpt-*"):
+    path.unlink()
+  state = (workdir / "checkpoints" / "checkpoint").read_bytes()
+  with pytest.raises(errors.ConfigError, match=r"/checkpoints/checkpoint names ckpt-6, but no "
+                     r"ckpt-N file is left in \S+; nothing was overwritten: put the checkpoints "
+                     r"back, or delete that state file"):
+    run.run(_config(train_steps=8), str(workdir))
+  assert (workdir / "checkpoints" / "checkpoint").read_bytes() == state
+  assert not list((workdir / "checkpoints").glob("ckpt-*"))
+
+
 def test_rerunning_a_finished_train_and_eval_keeps_its_evaluation(trained, tmp_path):
   """The rerun evaluates the final weights again (also what a restart after a SIGTERM during the
   final evaluation needs), instead of writing "eval": null over the result."""

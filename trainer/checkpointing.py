@@ -231,8 +231,9 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   skipped with ONE warning line naming it and why. With `repair` (the chief), damaged files move
   to `directory/damaged/` and the state file is rewritten to list the intact ones, so that the
   Controller and later saves agree. Returns None when there is no checkpoint at all; raises
-  `errors.ConfigError` when checkpoints exist but none reads back (nothing is overwritten) or
-  when one belongs to another config.
+  `errors.ConfigError` when checkpoints exist but none reads back (nothing is overwritten), when
+  one belongs to another config, or (`repair`) when the state file names a checkpoint but no
+  `ckpt-N` is left: Orbit would fail restoring it, and a fresh start would hide the loss.
   """
   candidates, skipped = _numbered(directory), []
   relists = 0
@@ -266,7 +267,23 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
     raise errors.ConfigError(
         f"no checkpoint in {directory} reads back ({'; '.join(why for _, why in skipped[:2])}); "
         "nothing was overwritten: move them away or use a fresh `--workdir` to start over")
+  named = _named_by_state_file(directory) if repair else None
+  if named:  # A run was here (TF writes the state file after a save's files): all deleted?
+    raise errors.ConfigError(
+        f"{directory}/checkpoint names {named}, but no ckpt-N file is left in {directory}; "
+        "nothing was overwritten: put the checkpoints back, or delete that state file (or use "
+        "a fresh `--workdir`) to start over")
   return None
+
+
+def _named_by_state_file(directory: str):
+  """The checkpoint name the `checkpoint` state file gives (e.g. ckpt-12), or None."""
+  try:
+    state = tf.train.get_checkpoint_state(directory)
+  except (tf.errors.OpError, ValueError):  # Unreadable: it names nothing usable.
+    return None
+  path = None if state is None else state.model_checkpoint_path
+  return os.path.basename(path) if path else None
 
 
 def restore_one(checkpoint, prefix: str, strategy):

@@ -8,7 +8,8 @@ kill between a save's files and its state file leaves the latter. `ReadingContro
 * when built, keeps what the runner restored, the newest `ckpt-N` that reads back whole
   (training resumes from the same one), instead of restoring the state file's;
 * while watching (`evaluate_continuously`), evaluates that one first, then, as Orbit does, the
-  newest checkpoint the state file names at each poll, restored with `checkpointing.restore_one`:
+  newest checkpoint the state file names at each poll, until it has evaluated update
+  `train_steps` (training's last), restored with `checkpointing.restore_one`:
   a damaged one is skipped with a warning (the last good one's values are restored again)
   instead of crashing the evaluator, and an older one (a stale state file) is not evaluated
   again. (Like Orbit's, it evaluates a path once: a damaged `ckpt-N` that the trainer later
@@ -23,10 +24,13 @@ from trainer import checkpointing
 
 
 class ReadingController(orbit.Controller):
-  """`orbit.Controller` for readers; `restored` is the prefix the runner restored (or None)."""
+  """`orbit.Controller` for readers; `restored` is the prefix the runner restored (or None),
+  `final_step` the update training ends at (`train_steps`): `evaluate_continuously` stops once
+  it has evaluated that one, instead of waiting `eval_timeout_s` for a checkpoint that cannot
+  come (the default 600 s, found by a probe)."""
 
-  def __init__(self, *args, restored=None, **kwargs):
-    self._restored = restored
+  def __init__(self, *args, restored=None, final_step=None, **kwargs):
+    self._restored, self._final_step = restored, final_step
     super().__init__(*args, **kwargs)
 
   def restore_checkpoint(self, checkpoint_path=None):
@@ -49,11 +53,23 @@ class ReadingController(orbit.Controller):
     output, newest = None, -1
     if self._restored:
       output, newest = self.evaluate(steps), _number(self._restored)
+    if self._done(newest):
+      return output
     for path in tf.train.checkpoints_iterator(self.checkpoint_manager.directory,
                                               timeout=timeout, timeout_fn=timeout_fn):
       if _number(path) > newest and self.restore_checkpoint(path) is not None:
         output, newest = self.evaluate(steps), _number(path)
+        if self._done(newest):
+          break
     return output
+
+  def _done(self, evaluated: int) -> bool:
+    """Whether the checkpoint of update `evaluated` is training's last one (logs it)."""
+    if self._final_step is None or evaluated < self._final_step:
+      return False
+    logging.info("evaluated update %d, the last one (train_steps=%d): done", evaluated,
+                 self._final_step)
+    return True
 
 
 def _number(prefix: str) -> int:

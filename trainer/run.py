@@ -338,7 +338,8 @@ def _run(config, workdir: str, task, lock) -> dict:
                                          every_loop=lock.check_held)
   training = config.mode in TRAINING_MODES
   controller_class = orbit.Controller if training else functools.partial(
-      reading_controller.ReadingController, restored=trainer.restored_checkpoint)
+      reading_controller.ReadingController, restored=trainer.restored_checkpoint,
+      final_step=config.train_steps)
   controller = controller_class(
       strategy=strategy, trainer=trainer, evaluator=evaluator, global_step=trainer.global_step,
       steps_per_loop=config.steps_per_loop, checkpoint_manager=manager,
