@@ -34,6 +34,7 @@ import time
 from typing import Callable, Iterable, Mapping, Sequence
 
 from absl import app
+from absl import flags
 
 from trainer import exit_codes
 
@@ -328,4 +329,14 @@ def run_main(main: Callable[[Sequence[str]], int]) -> None:
       print("error: interrupted (Ctrl-C)", file=sys.stderr)
       return 130
 
-  app.run(wrapped)
+  app.run(wrapped, flags_parser=_parse_flags)
+
+
+def _parse_flags(argv):
+  """absl's parsing, with a bad flag (`--gpus=abc`, an unknown one) as one `error:` line and
+  exit 2, as docs/launch.md says; absl's own is two lines and exit 1 (found by a probe)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)

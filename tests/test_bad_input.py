@@ -148,6 +148,12 @@ CASES = [
     ("text task: target token outside the vocabulary", {"task": "text_classification",
                                                          "text.target_token": 5000}, None,
      "`text.target_token`=5000 must be in 1..999"),
+    ("histogram task without features", {"task": "histogram_chi_square",
+                                         "histogram.features": 0}, None,
+     "`histogram.features`=0 must be an integer >= 1"),  # oneDNN aborted the process (SIGABRT).
+    ("histogram task, negative examples", {"task": "histogram_chi_square",
+                                           "histogram.train_examples": -1}, None,
+     "`histogram.train_examples`=-1 must be an integer >= 1"),
     ("npz task without a file", {"task": "npz_classification"}, None, "`data.path` is empty"),
     ("npz task, file missing", {"task": "npz_classification", "data.path": "/nonexistent.npz"},
      None, "`data.path`='/nonexistent.npz' is not a file"),

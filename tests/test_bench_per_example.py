@@ -19,7 +19,9 @@ def test_flags_models_methods_and_one_line_errors(capsys):
   assert args.methods == ["ghost_statistics", "batch_gradient"]
   assert (args.batch_sizes, args.plot) == ([4, 8], "out.png")
   assert bench._parse([]).models == ["small_cnn", "text_transformer"]
-  for bad in (["--models=resnet"], ["--methods=ghost"], ["--batch_sizes=0"]):
+  for bad in (["--models=resnet"], ["--methods=ghost"], ["--batch_sizes=0"],
+              # Checked before measuring: it was a traceback after the whole run (a probe).
+              ["--json=/nonexistent-microstep/rows.json"], ["--plot=/nonexistent-microstep/p.png"]):
     with pytest.raises(SystemExit):
       bench._parse(bad)
     error = capsys.readouterr().err.strip().splitlines()[-1]

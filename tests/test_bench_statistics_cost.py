@@ -29,3 +29,20 @@ def test_in_process_rounds_pair_off_and_on_of_each_case(tmp_path):
     assert summary["n"] == 2
     assert math.isclose(summary["min"], min(ratios)) and math.isclose(summary["max"], max(ratios))
     assert f"{case}: throughput with statistics on every update / off, median" in done.stdout
+
+
+def test_bad_flags_of_an_absl_benchmark_are_one_line_before_measuring():
+  """A --json whose directory does not exist was a traceback after the whole run, and a bad
+  flag value absl's two lines and exit 1 (a probe, 2026-12-07)."""
+  for args, message in ((["statistics_cost", "--json=/nonexistent-microstep/x.json"],
+                         "trainer.bench statistics_cost: error: --json: /nonexistent-microstep/"
+                         "x.json: directory /nonexistent-microstep does not exist"),
+                        (["statistics_cost", "--updates=abc"],
+                         "trainer.bench statistics_cost: error: flag --updates=abc: invalid "
+                         "literal for int()")):
+    done = subprocess.run(["timeout", "-k", "10", "120", sys.executable, "-m", "trainer.bench"]
+                          + args, capture_output=True, text=True, check=False)
+    lines = [l for l in done.stderr.strip().splitlines() if not l.startswith(("W", "I", "E"))
+             or l.startswith("trainer.bench")]
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert lines[-1].startswith(message), lines[-1]

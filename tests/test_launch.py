@@ -96,6 +96,10 @@ def test_single_machine_cpu_keeps_user_strategy():
     (["--override=batch_size"], {}, ["--override='batch_size'", "FIELD=VALUE"]),
     (["--gpus=3"], {"CUDA_VISIBLE_DEVICES": "0,1"}, ["--gpus=3", "allowed: --gpus <= 2"]),
     (["--max_restarts=-1"], {}, ["--max_restarts=-1", "allowed"]),
+    # Values absl cannot parse, and an unknown flag: absl's two lines and exit 1 until a probe.
+    (["--gpus=abc"], {}, ["flag --gpus=abc: invalid literal for int()"]),
+    (["--max_restarts=1.5"], {}, ["flag --max_restarts=1.5"]),
+    (["--bogus=1"], {}, ["Unknown command line flag 'bogus'"]),
 ])
 def test_single_machine_invalid_flags_fail_with_one_line(args, env, needles):
   done = launcher("single_machine", f"--config={CONFIG}", "--workdir=/tmp/w", *args,
@@ -201,6 +205,7 @@ def test_multi_worker_tf_config_json():
     (["--hosts=h1:1,h1:1"], ["twice"]),
     (["--local=-2"], ["--local=-2", "allowed"]),
     (["--local=2", "--timeout_s=0"], ["--timeout_s=0", "allowed"]),
+    (["--local=2", "--timeout_s=1m"], ["flag --timeout_s=1m: invalid literal for int()"]),
     (["--local=2", "--override=strategy=mirrored"],
      ["--override=strategy=mirrored", "multi_worker_mirrored"]),
 ])

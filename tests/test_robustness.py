@@ -72,6 +72,12 @@ def _wait_for(proc, text, timeout=120):
     (["--config=MISSING"], "missing.py: get_config raised AttributeError: \"'my_group'\""),
     (["--config=MISSING", "--config.batch_size=8"],
      "missing.py: get_config raised AttributeError: \"'my_group'\""),
+    # get_config returned no ConfigDict: was "an unknown field 'int' object has no attribute
+    # 'keys'" and "Flag --config must have a value other than None" (a probe, 2026-12-07).
+    (["--config=RETURNS_INT"], "int.py: get_config returned int; it must return an "
+                               "ml_collections.ConfigDict"),
+    (["--config=RETURNS_NONE"], "none.py: get_config returned None (a forgotten `return "
+                                "config`?); it must return an ml_collections.ConfigDict"),
     ([f"--config={RECIPE}", "--config.nope=1"],
      "`--config.nope` is not a field; allowed in the config: accumulation,"),
     ([f"--config={RECIPE}", "--config.optimizer.lr=1"],
@@ -91,6 +97,9 @@ def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message)
   (tmp_path / "missing.py").write_text(
       "import ml_collections\ndef get_config(arg=None):\n"
       "  c = ml_collections.ConfigDict({'batch_size': 4})\n  c.my_group.size = 3\n  return c\n")
+  (tmp_path / "int.py").write_text("def get_config(arg=None):\n  return 5\n")
+  (tmp_path / "none.py").write_text("import ml_collections\ndef get_config(arg=None):\n"
+                                    "  c = ml_collections.ConfigDict({'batch_size': 4})\n")
   # A misspelt field of microstep's own group, in the file (ml_collections takes it silently).
   recipe, _, recipe_arg = RECIPE.partition(":")
   (tmp_path / "typo.py").write_text(
@@ -101,6 +110,8 @@ def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message)
       "  c.per_example.every_step = 1\n  return c\n")
   args = [a.replace("SYNTAX", str(tmp_path / "syntax.py")).replace("RAISES", str(tmp_path / "raises.py"))
           .replace("TYPO", str(tmp_path / "typo.py")).replace("MISSING", str(tmp_path / "missing.py"))
+          .replace("RETURNS_INT", str(tmp_path / "int.py"))
+          .replace("RETURNS_NONE", str(tmp_path / "none.py"))
           for a in args]
   if not any(a.startswith("--workdir") for a in args):
     args.append(f"--workdir={tmp_path / 'w'}")

@@ -71,9 +71,26 @@ def _unknown_field(argv) -> str:
   return ""
 
 
+def _not_a_config(config_arg) -> str:
+  """One line when the config file's get_config returns no ConfigDict (None: a forgotten
+  `return config`), else ''."""
+  try:
+    config = _load(config_arg)
+  except Exception:  # pylint: disable=broad-except  (Described from the parse error itself.)
+    return ""
+  if hasattr(config, "keys"):
+    return ""
+  what = "None (a forgotten `return config`?)" if config is None else type(config).__name__
+  return (f"`--config`={config_arg}: get_config returned {what}; it must return an "
+          "ml_collections.ConfigDict")
+
+
 def _describe(error, argv) -> str:
   config_arg = _config_arg(argv)
   text = str(error)
+  returned = _not_a_config(config_arg) if config_arg else ""
+  if returned:  # Else reported as an unknown override, or a --config "other than None".
+    return returned
   if isinstance(error, SyntaxError):
     return f"`--config`={config_arg}: {error.msg} (line {error.lineno})"
   if "Failed loading config file" in text:

@@ -5,6 +5,7 @@ Runs eagerly on the host. A module that defines absl flags (a module-level `FLAG
 `main` with the leftover argv; any other module (e.g. `trainer.bench.per_example`, argparse) gets
 `main(args)` with the raw argument list.
 """
+import functools
 import importlib
 import re
 import sys
@@ -13,6 +14,7 @@ from absl import app
 from absl import flags
 
 from trainer import bench
+from trainer.bench import util as bench_util
 
 
 def main(argv=None) -> int:
@@ -28,8 +30,27 @@ def main(argv=None) -> int:
     return 2
   module = importlib.import_module(f"trainer.bench.{name}")
   if isinstance(getattr(module, "FLAGS", None), flags.FlagValues):
-    app.run(module.main, argv=[f"trainer.bench {name}"] + argv[1:])  # Exits when main returns.
+    app.run(module.main, argv=[f"trainer.bench {name}"] + argv[1:],  # Exits when main returns.
+            flags_parser=functools.partial(_parse_flags, name))
   return int(module.main(argv[1:]) or 0)
+
+
+def _parse_flags(name, argv):
+  """absl's parsing; a bad flag, or a `--json` file that cannot be written, is one line and
+  exit 2 before anything is measured."""
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(name, " ".join(str(e).split()))
+  problem = bench_util.unwritable(flags.FLAGS["json"].value) if "json" in flags.FLAGS else ""
+  if problem:
+    _fail(name, f"--json: {problem}")
+  return rest
+
+
+def _fail(name, message):
+  print(f"trainer.bench {name}: error: {message}", file=sys.stderr)
+  sys.exit(2)
 
 
 if __name__ == "__main__":

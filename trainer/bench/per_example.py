@@ -95,6 +95,10 @@ def _parse(argv):
     p.error(f"--batch_sizes must be comma-separated ints; got {args.batch_sizes!r}")
   if not args.batch_sizes or min(args.batch_sizes) < 1:
     p.error("--batch_sizes must list ints >= 1")
+  for flag in ("json", "plot"):
+    problem = bench_util.unwritable(getattr(args, flag))
+    if problem:
+      p.error(f"--{flag}: {problem}")
   args.methods = _csv_choice(p, "methods", args.methods, METHODS)
   args.models = _csv_choice(p, "models", args.models, MODELS)
   if args.repeats < 1 or args.slow_repeats < 1:

@@ -15,6 +15,19 @@ _PREFIX = "ROW "
 ONEDNN_CHOICES = ("default", "on", "off")
 
 
+def unwritable(path: str) -> str:
+  """'' when an output file can be made at `path` (or none is asked), else why not: checked
+  before measuring, so that minutes of rows are not lost to a typo in the directory."""
+  if not path:
+    return ""
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    return f"{path}: directory {directory} does not exist"
+  if not os.access(directory, os.W_OK):
+    return f"{path}: directory {directory} is not writable"
+  return ""
+
+
 def onednn_env(choice: str) -> dict:
   """Environment for measurement processes that sets TensorFlow's oneDNN kernels on or off.
 

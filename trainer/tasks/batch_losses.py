@@ -136,6 +136,10 @@ class HistogramChiSquare(base_task.BatchLossTask):
     if config.histogram.bins < 2 or not config.histogram.width > 0:
       raise errors.ConfigError(f"`histogram.bins`={config.histogram.bins} must be >= 2 and "
                                f"`histogram.width`={config.histogram.width} > 0")
+    for field in ("features", "train_examples"):  # features=0 aborted the process in oneDNN.
+      value = config.histogram[field]
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise errors.ConfigError(f"`histogram.{field}`={value!r} must be an integer >= 1")
 
   def build_model(self):
     return models.classifier("mlp", (self.config.histogram.features,), 1,
