@@ -80,6 +80,8 @@ def _wait_for(proc, text, timeout=120):
                                 "config`?); it must return an ml_collections.ConfigDict"),
     ([f"--config={RECIPE}", "--config.nope=1"],
      "`--config.nope` is not a field; allowed in the config: accumulation,"),
+    ([f"--config={RECIPE}", "--config.batch_size.x=3"],
+     "`--config.batch_size.x`: `batch_size` is a value, not a group of fields"),
     ([f"--config={RECIPE}", "--config.optimizer.lr=1"],
      "`--config.optimizer.lr` is not a field; allowed in optimizer: beta_1,"),
     (["--config=configs/fashion_mnist.py:smoke,bogus"],
@@ -406,10 +408,19 @@ def test_resume_guard_fields(tmp_path):
       base, train_steps=4, **{"optimizer.learning_rate": 0.01, "strategy": "mirrored",
                               "cpu_replicas": 2})), str(tmp_path))
   assert result["global_step"] == 4
-  # And a meaningful change, once allowed.
-  result = run.run(helpers.tiny_config(**dict(base, train_steps=6, seed=7,
-                                              allow_config_change="seed")), str(tmp_path))
+  # A schedule added, then dropped: the constant rate's variable made both a "changed model".
+  result = run.run(helpers.tiny_config(**dict(
+      base, train_steps=5, **{"optimizer.warmup_steps": 2, "optimizer.decay": "cosine"})),
+                   str(tmp_path))
+  assert result["global_step"] == 5
+  result = run.run(helpers.tiny_config(**dict(
+      base, train_steps=6, **{"optimizer.warmup_steps": 0, "optimizer.decay": "constant"})),
+                   str(tmp_path))
   assert result["global_step"] == 6
+  # And a meaningful change, once allowed.
+  result = run.run(helpers.tiny_config(**dict(base, train_steps=8, seed=7,
+                                              allow_config_change="seed")), str(tmp_path))
+  assert result["global_step"] == 8
 
 
 # ------------------------------------------------------------------------------ signals -------

@@ -62,6 +62,9 @@ def _unknown_field(argv) -> str:
   for override in _overrides(argv):
     node, walked = config, []
     for part in override.split("."):
+      if walked and not hasattr(node, "keys"):  # `--config.batch_size.x`: listed no names.
+        return (f"`--config.{override}`: `{'.'.join(walked)}` is a value, not a group of "
+                "fields")
       keys = list(node.keys()) if hasattr(node, "keys") else []
       if part not in keys:
         where = ".".join(walked) or "the config"

@@ -43,8 +43,10 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
 
 def learning_rate(opt_config, total_steps: int):
-  if opt_config.warmup_steps == 0 and opt_config.decay == "constant":
-    return float(opt_config.learning_rate)
+  """Always a schedule, a constant rate too: with a float, Keras keeps the rate in a variable
+  that the checkpoint holds, so a resume that added or dropped warm-up or decay (a change
+  docs/robustness.md calls free) was refused as another model (found by a probe, 2026-12-07).
+  A checkpoint written with that variable still restores (it is then left unread)."""
   return WarmupSchedule(float(opt_config.learning_rate), int(opt_config.warmup_steps),
                         opt_config.decay, int(total_steps))
 

@@ -61,6 +61,9 @@ class ReadingController(orbit.Controller):
         output, newest = self.evaluate(steps), _number(path)
         if self._done(newest):
           break
+    if output is None:  # Exit 0 with "eval": null said nothing (a probe, 2026-12-07).
+      logging.warning("continuous_eval evaluated nothing: no intact checkpoint appeared in %s "
+                      "within eval_timeout_s=%s", self.checkpoint_manager.directory, timeout)
     return output
 
   def _done(self, evaluated: int) -> bool:
