@@ -212,7 +212,8 @@ def _exit_status(code: int) -> int:
 
 class _SigtermAsExit:
   """While active, SIGTERM to the launcher raises SystemExit(143) so the `finally` blocks that stop
-  the children run (each child then gets its own SIGTERM and can checkpoint)."""
+  the children run (each child then gets its own SIGTERM and can checkpoint). `run` then exits
+  with its child's own status (42 once the trainer has checkpointed), as docs/launch.md says."""
 
   def __enter__(self):
     self._installed = _in_main_thread()  # Python only lets the main thread set handlers.
@@ -242,6 +243,11 @@ def run(cmd: Command) -> int:
     proc = start(cmd)
     try:
       return _exit_status(proc.wait())
+    except SystemExit:  # SIGTERM to the launcher: the trainer's status, not 143 (a probe).
+      stop([proc])
+      if proc.returncode is None:
+        raise
+      raise SystemExit(_exit_status(proc.returncode)) from None
     finally:
       stop([proc])
 
@@ -280,8 +286,7 @@ def supervise(commands: Sequence[Command], poll_s: float = 0.2,
         codes = [p.poll() for p in procs]
         failed = [(i, _exit_status(c)) for i, c in enumerate(codes) if c not in (None, 0)]
         if failed:
-          final = [f for f in failed if f[1] not in RESTART_CODES] or failed
-          index, code = final[0]
+          index, code = _first_failure(failed)
           log(f"process {index} (pid {procs[index].pid}) exited with {describe_exit(code)}; "
               "stopping the others")
           stop(procs, grace_s)
@@ -289,8 +294,21 @@ def supervise(commands: Sequence[Command], poll_s: float = 0.2,
         if all(c == 0 for c in codes):
           return 0
         time.sleep(poll_s)
+    except SystemExit:  # SIGTERM to the launcher: the workers' status (42), not 143.
+      stop(procs, grace_s)
+      if not procs or any(p.returncode is None for p in procs):
+        raise
+      failed = [(i, _exit_status(p.returncode)) for i, p in enumerate(procs)
+                if p.returncode != 0]
+      raise SystemExit(_first_failure(failed)[1] if failed else 0) from None
     finally:
       stop(procs, grace_s)
+
+
+def _first_failure(failed):
+  """(index, status) of the failure that decides: a status that is no restart code (a real
+  crash is never retried), else the first."""
+  return ([f for f in failed if f[1] not in RESTART_CODES] or failed)[0]
 
 
 def run_with_restarts(attempt: Callable[[int], int], max_restarts: int, what: str,

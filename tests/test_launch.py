@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -141,6 +142,37 @@ def test_single_machine_restarts_are_bounded(tmp_path):
   cmd, counter = _counting_command(tmp_path, [42, 42, 42, 0])
   assert single_machine.launch(cmd, max_restarts=1) == 42
   assert counter.read_text() == "2"
+
+
+@pytest.mark.parametrize("launch_call", [
+    "single_machine.launch(cmd, max_restarts=3)",
+    "common.supervise([cmd, common.command(*cmd.argv[:2], cmd.argv[2].replace('ready', 'r2'))])",
+])
+def test_a_sigterm_to_the_launcher_ends_with_the_trainers_own_status(tmp_path, launch_call):
+  """The trainer checkpoints on the SIGTERM passed on and exits 42; the launcher exited 143 (its
+  own death by SIGTERM) where docs/launch.md says it exits with the trainer's status (a probe,
+  2026-12-07). The child here stands in for the trainer."""
+  ready = tmp_path / "ready"
+  child = ("import pathlib, signal, sys, time\n"
+           "signal.signal(signal.SIGTERM, lambda *_: sys.exit(42))\n"
+           f"pathlib.Path({str(ready)!r}).write_text('up')\n"
+           "time.sleep(60)\n")
+  parent = ("import sys\nfrom launch import common, single_machine\n"
+            f"cmd = common.command({PY!r}, '-c', {child!r})\n"
+            f"sys.exit({launch_call})\n")
+  proc = subprocess.Popen(["timeout", "-k", "5", "60", PY, "-c", parent], cwd=REPO_ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+  started = [ready] + ([tmp_path / "r2"] if "supervise" in launch_call else [])
+  deadline = time.monotonic() + 30
+  while (not all(p.exists() for p in started) and time.monotonic() < deadline
+         and proc.poll() is None):
+    time.sleep(0.05)
+  assert all(p.exists() for p in started), (
+      proc.stderr.read() if proc.poll() is not None else "a child never started")
+  os.kill(proc.pid, signal.SIGTERM)  # timeout(1) passes it on to the launcher.
+  _, err = proc.communicate(timeout=40)
+  assert proc.returncode == 42, err
+  assert "launcher got SIGTERM; stopping its processes, no restart" in err
 
 
 def test_single_machine_never_restarts_a_crash(tmp_path):
