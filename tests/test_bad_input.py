@@ -198,6 +198,10 @@ def test_unwritable_workdir(tmp_path):
   blocker.write_text("not a directory")
   with pytest.raises(validation.ConfigError, match="`--workdir`=.* is not writable"):
     run.run(helpers.tiny_config(), str(blocker / "sub"))
+  # The file itself as the workdir: it said "is not writable: File exists" (a probe, 2026-12-07).
+  with pytest.raises(validation.ConfigError, match=r"^`--workdir`=.*/file' is a file, not a "
+                     r"directory; name a directory \(it is made if missing\)$"):
+    run.run(helpers.tiny_config(), str(blocker))
 
 
 def test_divergence_stops_with_a_clear_error(tmp_path):

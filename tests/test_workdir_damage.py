@@ -84,6 +84,21 @@ def test_a_state_file_whose_checkpoints_are_all_gone_is_one_line(trained, tmp_pa
   assert not list((workdir / "checkpoints").glob("ckpt-*"))
 
 
+def test_starts_an_operator_may_not_mean_are_warned(trained, tmp_path, caplog):
+  """Both were silent (a probe, 2026-12-07): every checkpoint deleted beside an earlier run's
+  result.json (a fresh start from update 0), and train_steps below the restored update."""
+  workdir = _copy(trained, tmp_path)
+  with caplog.at_level("WARNING"):
+    run.run(_config(train_steps=4), str(workdir))  # Restored at update 6.
+  assert "the checkpoint is at update 6, past `train_steps`=4: nothing to train" in caplog.text
+  caplog.clear()
+  shutil.rmtree(workdir / "checkpoints")
+  with caplog.at_level("WARNING"):
+    assert run.run(_config(train_steps=2), str(workdir))["global_step"] == 2
+  assert "though result.json hold(s) an earlier run's results: training starts again from " \
+         "update 0" in caplog.text
+
+
 def test_rerunning_a_finished_train_and_eval_keeps_its_evaluation(trained, tmp_path):
   """The rerun evaluates the final weights again (also what a restart after a SIGTERM during the
   final evaluation needs), instead of writing "eval": null over the result."""

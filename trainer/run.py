@@ -337,6 +337,9 @@ def _run(config, workdir: str, task, lock) -> dict:
   watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step,
                                          every_loop=lock.check_held)
   training = config.mode in TRAINING_MODES
+  if training and chief:
+    workdir_lib.note_training_start(workdir, trainer.restored_checkpoint,
+                                    int(trainer.global_step.numpy()), config.train_steps)
   controller_class = orbit.Controller if training else functools.partial(
       reading_controller.ReadingController, restored=trainer.restored_checkpoint,
       final_step=config.train_steps)

@@ -6,6 +6,8 @@
   prints. The kernel drops the lock when its process dies, even by kill -9, so a lock left by a
   killed run is simply taken over. Workers of one MultiWorkerMirrored run lock different files
   and share the workdir as before. gs:// workdirs are not locked (no flock there).
+* `note_training_start` warns when a run starts from 0 beside an earlier run's results, or past
+  `train_steps`.
 * `check_resume`: the resolved config of the run lives in `config.json`. A restart that changes
   a field which gives the saved state its meaning (batch size, seed, task, model, optimizer,
   accumulation, data; SGD momentum to or from 0, which adds or drops the optimizer's slots) is
@@ -79,6 +81,9 @@ def check_writable(workdir: str) -> None:
   """Raises ConfigError unless `workdir` can hold a run (creates it)."""
   if workdir.startswith("gs://"):
     return
+  if os.path.exists(workdir) and not os.path.isdir(workdir):  # Was "is not writable: File exists".
+    raise errors.ConfigError(f"`--workdir`={workdir!r} is a file, not a directory; name a "
+                             "directory (it is made if missing)")
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write_probe.{os.getpid()}")  # Workers may share workdir.
@@ -226,3 +231,21 @@ def check_resume(config, workdir: str) -> None:
         f"resuming `--workdir`={workdir!r} with a changed {what}: the saved state means "
         f"something else under it; use a fresh workdir, or accept with "
         f"--config.allow_config_change={names}")
+
+
+def note_training_start(workdir: str, restored, step: int, train_steps: int) -> None:
+  """Warns where a training run's start is likely not what its operator meant (eager, host,
+  the chief). Both were silent until a probe (2026-12-07): a workdir whose checkpoints are gone
+  but whose results of an earlier run remain starts again from update 0; a checkpoint past
+  `train_steps` trains nothing."""
+  if restored is None:
+    earlier = [name for name in ("result.json", "export")
+               if os.path.exists(os.path.join(workdir, name))]
+    if earlier:
+      logging.warning("no checkpoint in %s, though %s hold(s) an earlier run's results: training "
+                      "starts again from update 0", checkpointing.checkpoint_dir(workdir),
+                      " and ".join(earlier))
+  elif step > train_steps:
+    logging.warning("the checkpoint is at update %d, past `train_steps`=%d: nothing to train "
+                    "(raise train_steps to go on)", step, train_steps)
+
