@@ -27,4 +27,4 @@ def get_config(arg: str = ""):
   config.checkpoint_every = 100
   config.optimizer.name = "adam"
   config.optimizer.learning_rate = 3e-3
-  return config_defaults.apply_variant_args(config, arg, reads_files=False)
+  return config_defaults.apply_variant_args(config, arg)

@@ -29,4 +29,4 @@ def get_config(arg: str = ""):
   config.checkpoint_every = 50
   config.optimizer.name = "adam"
   config.optimizer.learning_rate = 1e-3
-  return config_defaults.apply_variant_args(config, arg, reads_files=False)
+  return config_defaults.apply_variant_args(config, arg)

@@ -32,7 +32,7 @@ def get_config(arg: str = ""):
   config.optimizer.warmup_steps = 20
   config.optimizer.decay = "cosine"
   config.optimizer.global_clipnorm = 1.0
-  config = config_defaults.apply_variant_args(config, arg, reads_files=False)
+  config = config_defaults.apply_variant_args(config, arg)
   if "smoke" in config_defaults.parse_args(arg):
     config.text.train_examples, config.text.test_examples = 1024, 256
   return config

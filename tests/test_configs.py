@@ -36,8 +36,7 @@ def test_recipe_defaults_validate(name):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_smoke_trains(tmp_path, name):
-  variant = "smoke,synthetic" if name in FASHION_RECIPES else "smoke"
-  config = importlib.import_module(f"configs.{name}").get_config(variant)
+  config = importlib.import_module(f"configs.{name}").get_config("smoke,synthetic")
   if name == "npz_arrays":
     config.data.path = _npz(tmp_path / "mine.npz")
   _, trainer = helpers.build(config, tmp_path / "w")
@@ -55,15 +54,6 @@ def test_shipped_example_trains_under_mirrored_with_k4_and_resumes_bitwise(tmp_p
     overrides.append(f"data.path={_npz(tmp_path / 'mine.npz')}")
   recipe = f"configs/{name}.py:smoke"
   helpers.assert_resume_is_bitwise(tmp_path, recipe, *overrides)
-
-
-@pytest.mark.parametrize("name", ["text_transformer", "npz_arrays", "chi_square"])
-def test_recipes_that_read_no_fashion_mnist_refuse_the_synthetic_variant(name):
-  """It did nothing there but set `data.source` (npz: "`data.path` is empty", though the README
-  promised generated data; found by a probe, 2026-12-07)."""
-  with pytest.raises(ValueError, match=r"config arg \['synthetic'\] unknown; allowed: "
-                                       r"\['smoke'\]"):
-    importlib.import_module(f"configs.{name}").get_config("smoke,synthetic")
 
 
 def test_npz_recipe_without_a_path_is_one_line(tmp_path):

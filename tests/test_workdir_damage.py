@@ -69,6 +69,22 @@ def test_continuous_eval_of_a_finished_run_stops_after_the_last_checkpoint(train
   assert result["global_step"] == 6 and np.isfinite(result["eval"]["loss"])
 
 
+def test_continuous_eval_waits_for_a_trainer_resumed_with_more_updates(trained, tmp_path,
+                                                                       monkeypatch):
+  """The trainer's config.json says train_steps=8 (a resume raised it, a free change); an
+  evaluator started with the old train_steps=6 must keep watching after ckpt-6 (review)."""
+  workdir = _copy(trained, tmp_path)
+  saved = json.loads((workdir / "config.json").read_text())
+  saved["train_steps"] = 8
+  (workdir / "config.json").write_text(json.dumps(saved))
+  polls = []
+  monkeypatch.setattr(tf.train, "checkpoints_iterator",
+                      lambda *args, **kwargs: polls.append(kwargs) or iter(()))
+  result = run.run(_config(mode="continuous_eval", eval_timeout_s=1), str(workdir))
+  assert result["global_step"] == 6 and np.isfinite(result["eval"]["loss"])
+  assert len(polls) == 1
+
+
 def test_a_state_file_whose_checkpoints_are_all_gone_is_one_line(trained, tmp_path):
   """Every ckpt-N deleted, the `checkpoint` state file left: the rerun was TF's NotFoundError
   traceback from Orbit's restore (found by a probe, 2026-12-07). Nothing may be overwritten."""

@@ -202,13 +202,10 @@ def weighted_outputs(task, model, batch: dict, training: bool):
   features = {k: v for k, v in batch.items() if k != data.VALID_KEY}
   valid = batch[data.VALID_KEY]
   if isinstance(task, BatchLossTask):  # Its own batch's loss, for every example of the batch.
-    out = batch_loss_of(task, _creating_no_variables(
-        task, model, "represent", lambda: task.represent(model, features, training=training)),
-                        valid)
+    out = batch_loss_of(task, task.represent(model, features, training=training), valid)
     fill = lambda value: tf.fill(tf.shape(valid), tf.cast(value, tf.float32))
     return fill(out.loss), valid, [fill(out.metrics[m]) for m in task.metric_names]
-  out = _creating_no_variables(task, model, "per_example_loss",
-                               lambda: task.per_example_loss(model, features, training=training))
+  out = task.per_example_loss(model, features, training=training)
   name = type(task).__name__
   if not isinstance(out, LossOutput):
     raise errors.TaskError(f"{name}.per_example_loss returned {type(out).__name__}; expected "
@@ -239,34 +236,6 @@ def weighted_outputs(task, model, batch: dict, training: bool):
                              "expected [B]")
     metrics.append(_check_per_example(f"{name}.per_example_loss: metric {m!r}", value, valid))
   return loss, weight, metrics
-
-
-def _creating_no_variables(task, model, method: str, call):
-  """`call()`, a task's loss method (traced), checked to create no trainable variable outside
-  the model.
-
-  A Keras layer made inside the loss gets new variables that the optimizer never sees, and TF
-  then fails the step's trace with `tf.function only supports singleton tf.Variables`. Raises
-  a TaskError naming them instead. A subclassed model's own layers built at their first call
-  become the model's variables: they are left to `check_no_new_variables`. Non-trainable
-  state made on the way (Keras' global seed generator for `keras.random.normal(shape)`) passes.
-  """
-  created = []
-
-  def note(next_creator, **kwargs):
-    if kwargs.get("trainable", True) is not False:
-      created.append(str(kwargs.get("name") or "unnamed"))
-    return next_creator(**kwargs)
-  before = len(model.trainable_variables)
-  with tf.variable_creator_scope(note):
-    out = call()
-  outside = len(created) - (len(model.trainable_variables) - before)
-  if outside > 0:
-    raise errors.TaskError(
-        f"{type(task).__name__}.{method} created {outside} trainable variable(s) that are "
-        f"not the model's ({', '.join(created[:4])}{', ...' if len(created) > 4 else ''}), "
-        "e.g. a Keras layer made inside it; make every layer in build_model")
-  return out
 
 
 def _check_per_example(what: str, value, valid):

@@ -135,18 +135,14 @@ def split_args(arg: str, allowed) -> set:
   return args
 
 
-def apply_variant_args(config: ml_collections.ConfigDict, arg: str, recipe_args=(), *,
-                       reads_files: bool = True) -> ml_collections.ConfigDict:
+def apply_variant_args(config: ml_collections.ConfigDict, arg: str,
+                       recipe_args=()) -> ml_collections.ConfigDict:
   """Applies comma-separated variant args shared by all recipes.
 
-  `smoke`: seconds-long run (tests, CI). `synthetic`: generated data instead of the real files,
-  only for recipes that read Fashion-MNIST (`reads_files`): the others generate their data or
-  read the user's file, and refuse it (it did nothing there but change `data.source`, a field
-  the resume guard holds fixed). `recipe_args` are extra names a recipe handles itself
-  (accepted here, not applied).
+  `smoke`: seconds-long run (tests, CI). `synthetic`: generated data instead of the real files.
+  `recipe_args` are extra names a recipe handles itself (accepted here, not applied).
   """
-  args = split_args(arg, {"smoke"} | ({"synthetic"} if reads_files else set())
-                    | set(recipe_args))
+  args = split_args(arg, {"smoke", "synthetic"} | set(recipe_args))
   if "smoke" in args:
     config.batch_size = min(config.batch_size, 32)
     config.train_steps = 12

@@ -28,6 +28,7 @@ import sys
 import traceback
 from typing import Any, Callable, Optional
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -35,6 +36,7 @@ from trainer import base_task
 from trainer import errors
 
 VALID_KEY = "_valid"
+_WARNED_RANK = set()  # Data functions whose unknown-rank fields were logged (once each).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,13 +60,15 @@ class DatasetFactory:
           f"the data function {getattr(self.make, '__name__', self.make)!r} returned a "
           f"{type(dataset).__name__}; it must return a tf.data.Dataset{hint}")
     spec = dataset.element_spec  # Not a dict: refused with the first batch (`_checked`).
-    for name, field in (spec.items() if isinstance(spec, dict) else ()):
-      if any(isinstance(s, tf.TensorSpec) and s.shape.rank is None  # Padding and the model
-             for s in tf.nest.flatten(field)):                        # need the rank.
-        raise errors.DataError(
-            f"the data function {getattr(self.make, '__name__', self.make)!r} yields field "
-            f"{name!r} of unknown rank (e.g. from tf.numpy_function or tf.py_function); give "
-            "it a shape in your map, e.g. `tf.ensure_shape(value, [28, 28])`")
+    unknown = sorted(name for name, field in (spec.items() if isinstance(spec, dict) else ())
+                     if any(isinstance(s, tf.TensorSpec) and s.shape.rank is None
+                            for s in tf.nest.flatten(field)))
+    if unknown and self.make not in _WARNED_RANK:  # A loss may reshape it; a model cannot.
+      _WARNED_RANK.add(self.make)
+      logging.warning("the data function %r yields field(s) %s of unknown rank (e.g. from "
+                      "tf.numpy_function or tf.io.parse_tensor); a Keras model cannot read "
+                      "such a field: give it a shape in your map, e.g. `tf.ensure_shape(value, "
+                      "[28, 28])`", getattr(self.make, "__name__", self.make), unknown)
     if self.takes_input_context:
       return dataset
     if input_context.num_input_pipelines > 1:
@@ -395,6 +399,9 @@ def _pad_to(batch, size: int):
       return tf.RaggedTensor.from_row_splits(
           t.values, tf.concat([splits, tf.fill([missing], splits[-1])], 0), validate=False)
     missing = size - tf.shape(t)[0]
+    if t.shape.rank is None:  # Of unknown rank (a tf.numpy_function's): a padding of any rank.
+      padding = tf.concat([[[0, missing]], tf.zeros([tf.rank(t) - 1, 2], tf.int32)], axis=0)
+      return tf.pad(t, padding)
     padding = [[0, missing]] + [[0, 0]] * (t.shape.rank - 1)
     return tf.ensure_shape(tf.pad(t, padding), [size] + t.shape[1:])
   return {k: pad(v) for k, v in batch.items()}

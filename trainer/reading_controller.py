@@ -25,9 +25,10 @@ from trainer import checkpointing
 
 class ReadingController(orbit.Controller):
   """`orbit.Controller` for readers; `restored` is the prefix the runner restored (or None),
-  `final_step` the update training ends at (`train_steps`): `evaluate_continuously` stops once
-  it has evaluated that one, instead of waiting `eval_timeout_s` for a checkpoint that cannot
-  come (the default 600 s, found by a probe)."""
+  `final_step()` the update training ends at, asked at each check (the larger of this run's
+  `train_steps` and the trainer's own in `config.json`, which a resumed trainer may have
+  raised): `evaluate_continuously` stops once it has evaluated that one, instead of waiting
+  `eval_timeout_s` for a checkpoint that cannot come (the default 600 s, found by a probe)."""
 
   def __init__(self, *args, restored=None, final_step=None, **kwargs):
     self._restored, self._final_step = restored, final_step
@@ -49,7 +50,8 @@ class ReadingController(orbit.Controller):
 
   def evaluate_continuously(self, steps=-1, timeout=None, timeout_fn=None):
     """Evaluates the restored checkpoint, then, at each poll, the newest one the state file
-    names if it is newer and reads back whole; returns the last outputs."""
+    names if it is newer and reads back whole, until it has evaluated training's last update
+    (`final_step`); returns the last outputs."""
     output, newest = None, -1
     if self._restored:
       output, newest = self.evaluate(steps), _number(self._restored)
@@ -68,10 +70,10 @@ class ReadingController(orbit.Controller):
 
   def _done(self, evaluated: int) -> bool:
     """Whether the checkpoint of update `evaluated` is training's last one (logs it)."""
-    if self._final_step is None or evaluated < self._final_step:
+    final = None if self._final_step is None else self._final_step()
+    if final is None or evaluated < final:
       return False
-    logging.info("evaluated update %d, the last one (train_steps=%d): done", evaluated,
-                 self._final_step)
+    logging.info("evaluated update %d, the last one (train_steps=%d): done", evaluated, final)
     return True
 
 

@@ -20,6 +20,7 @@ Stateful RNN layers keep per-sequence state that must NOT be averaged; set
 `config.replica_state = "local"` for them (the default is "mean").
 """
 import contextlib
+import threading
 
 from absl import logging
 import keras
@@ -40,33 +41,47 @@ def _writable_state(model) -> list:
   return out
 
 
+_WATCHERS = []  # (ids, written) of every open `writes_to`, whichever thread opened it.
+_WATCHERS_LOCK = threading.Lock()
+_ORIGINAL_ASSIGN = []  # [(own, original)] while the patch is installed.
+
+
 @contextlib.contextmanager
 def writes_to(ids):
   """Yields a set that collects which of the Keras variables `ids` (their `id()`) are assigned
   while the context is open.
 
   Patches `keras.Variable.assign` (through which `assign_add`/`assign_sub` and Keras' seed
-  generators also go) for the duration of the Python call only: it acts while tracing and costs
-  nothing at run time. Nests (each context restores what it found).
+  generators also go) while any such context is open: it acts while tracing and costs nothing
+  at run time. One patch serves every open context, so contexts may close in any order (the
+  replicas of a MirroredStrategy trace in threads that interleave at a `merge_call`).
   """
-  cls = keras.Variable
-  own = cls.__dict__.get("assign")  # None when `assign` is inherited.
-  original = cls.assign
   written = set()
+  entry = (ids, written)
+  with _WATCHERS_LOCK:
+    if not _WATCHERS:
+      cls = keras.Variable
+      _ORIGINAL_ASSIGN.append((cls.__dict__.get("assign"), cls.assign))  # own: None if inherited.
+      original = cls.assign
 
-  def assign(variable, value):
-    if id(variable) in ids:
-      written.add(id(variable))
-    return original(variable, value)
-
-  cls.assign = assign
+      def assign(variable, value):
+        for watched, seen in list(_WATCHERS):
+          if id(variable) in watched:
+            seen.add(id(variable))
+        return original(variable, value)
+      cls.assign = assign
+    _WATCHERS.append(entry)
   try:
     yield written
   finally:
-    if own is None:
-      del cls.assign
-    else:
-      cls.assign = own
+    with _WATCHERS_LOCK:
+      _WATCHERS.remove(entry)
+      if not _WATCHERS:
+        own, _ = _ORIGINAL_ASSIGN.pop()
+        if own is None:
+          del keras.Variable.assign
+        else:
+          keras.Variable.assign = own
 
 
 class WriteRecorder:

@@ -342,7 +342,7 @@ def _run(config, workdir: str, task, lock) -> dict:
                                     int(trainer.global_step.numpy()), config.train_steps)
   controller_class = orbit.Controller if training else functools.partial(
       reading_controller.ReadingController, restored=trainer.restored_checkpoint,
-      final_step=config.train_steps)
+      final_step=lambda: max(config.train_steps, workdir_lib.trained_to(workdir) or 0))
   controller = controller_class(
       strategy=strategy, trainer=trainer, evaluator=evaluator, global_step=trainer.global_step,
       steps_per_loop=config.steps_per_loop, checkpoint_manager=manager,
@@ -377,10 +377,10 @@ def _run(config, workdir: str, task, lock) -> dict:
       if "only supports singleton tf.Variables" not in str(e):
         raise
       raise errors.TaskError(
-          "the task creates a variable inside the training or evaluation step, in every trace "
-          "(e.g. `keras.random.normal(shape)` without a seed under a distribution strategy, or "
-          "state made in the loss); create it in build_model, e.g. a "
-          "keras.random.SeedGenerator stored on the model") from None
+          "the task creates variables inside the training or evaluation step, anew in every "
+          "trace (e.g. a Keras layer made inside per_example_loss, or `keras.random.normal"
+          "(shape)` without a seed under a distribution strategy); make them in build_model "
+          "(a keras.random.SeedGenerator stored on the model for random ops)") from None
     except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
             tf.errors.UnknownError) as e:
       if not _INPUT_NODE.search(e.message or ""):

@@ -249,3 +249,14 @@ def note_training_start(workdir: str, restored, step: int, train_steps: int) -> 
     logging.warning("the checkpoint is at update %d, past `train_steps`=%d: nothing to train "
                     "(raise train_steps to go on)", step, train_steps)
 
+
+def trained_to(workdir: str):
+  """`train_steps` of the training run that wrote `workdir/config.json` (an evaluator beside it
+  waits for that run's last update), or None when it cannot be read. Eager, host."""
+  try:
+    saved, _ = _saved_config(os.path.join(workdir, "config.json"))
+  except checkpointing.CheckpointReadError:
+    return None
+  steps = None if saved is None else _field(saved, "train_steps")
+  return steps if isinstance(steps, int) else None
+

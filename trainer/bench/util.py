@@ -20,6 +20,8 @@ def unwritable(path: str) -> str:
   before measuring, so that minutes of rows are not lost to a typo in the directory."""
   if not path:
     return ""
+  if os.path.isdir(path):
+    return f"{path} is a directory; name a file"
   directory = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(directory):
     return f"{path}: directory {directory} does not exist"

@@ -244,17 +244,29 @@ def _written_by_forward(model, loss_fn, batch, guard, state) -> set:
   return _WRITTEN[model]
 
 
-def _trace_writes(model, loss_fn, batch, guard, state) -> set:
-  spec = tf.nest.map_structure(
-      lambda t: tf.TensorSpec([1] + list(t.shape[1:]), t.dtype), batch)
+def _one_example_spec(t):
+  """The type spec of one example of batch tensor `t` (dense, ragged or sparse)."""
+  shape = [1] + list(t.shape[1:])
+  if isinstance(t, tf.RaggedTensor):
+    return tf.RaggedTensorSpec(shape, t.dtype, t.ragged_rank, t.row_splits.dtype)
+  if isinstance(t, tf.SparseTensor):
+    return tf.SparseTensorSpec(shape, t.dtype)
+  return tf.TensorSpec(shape, t.dtype)
 
+
+def _trace_writes(model, loss_fn, batch, guard, state) -> set:
   def forward(example):
     with guard():
       return loss_fn(model, example)
   with replica_state.writes_to({id(v) for v in state}) as written:
     try:
-      tf.function(forward, autograph=False).get_concrete_function(spec)
-    except Exception:  # pylint: disable=broad-except  (The general path raises it itself.)
+      tf.function(forward, autograph=False).get_concrete_function(
+          tf.nest.map_structure(_one_example_spec, batch))
+    except Exception as e:  # pylint: disable=broad-except  (The general path raises it itself.)
+      if not isinstance(e, Refused):  # A refusal: the general path raises it in one line.
+        logging.warning("per_example: one example's forward pass did not trace (%s); the "
+                        "general path keeps all %d state variables of the model",
+                        type(e).__name__, len(state))
       return {id(v) for v in state}  # Keep everything: nothing is known.
   return written
 
