@@ -423,6 +423,18 @@ def test_resume_guard_fields(tmp_path):
   assert result["global_step"] == 8
 
 
+def test_a_resume_with_another_constant_learning_rate_uses_it(tmp_path):
+  """A constant rate was a float, which Keras keeps in a checkpointed variable: the restore put
+  the old rate back over the one configured (found by the review, 2026-12-07)."""
+  base = {"train_steps": 2, "steps_per_loop": 2, "checkpoint_every": 2, "mode": "train",
+          "optimizer.warmup_steps": 0, "optimizer.decay": "constant"}
+  run.run(helpers.tiny_config(**base), str(tmp_path))
+  config = helpers.tiny_config(**dict(base, train_steps=4, **{"optimizer.learning_rate": 0.0123}))
+  _, trainer = helpers.build(config, tmp_path)
+  assert int(trainer.global_step.numpy()) == 2  # Restored.
+  assert trainer.current_learning_rate() == pytest.approx(0.0123, rel=1e-6)
+
+
 # ------------------------------------------------------------------------------ signals -------
 def test_sigterm_one_second_after_start_exits_42_and_the_rerun_finishes_bitwise(tmp_path):
   solo = helpers.run_cli(tmp_path / "solo", RECIPE, "train_steps=8", *DETERMINISTIC)
