@@ -284,7 +284,7 @@ def supervise(commands: Sequence[Command], poll_s: float = 0.2,
         procs.append(start(cmd))
       while True:
         codes = [p.poll() for p in procs]
-        failed = [(i, _exit_status(c)) for i, c in enumerate(codes) if c not in (None, 0)]
+        failed = _failures(codes)
         if failed:
           index, code = _first_failure(failed)
           log(f"process {index} (pid {procs[index].pid}) exited with {describe_exit(code)}; "
@@ -298,11 +298,15 @@ def supervise(commands: Sequence[Command], poll_s: float = 0.2,
       stop(procs, grace_s)
       if not procs or any(p.returncode is None for p in procs):
         raise
-      failed = [(i, _exit_status(p.returncode)) for i, p in enumerate(procs)
-                if p.returncode != 0]
+      failed = _failures([p.returncode for p in procs])
       raise SystemExit(_first_failure(failed)[1] if failed else 0) from None
     finally:
       stop(procs, grace_s)
+
+
+def _failures(codes):
+  """(index, status) of each process that exited other than 0 (None: still running)."""
+  return [(i, _exit_status(c)) for i, c in enumerate(codes) if c not in (None, 0)]
 
 
 def _first_failure(failed):

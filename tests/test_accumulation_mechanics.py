@@ -235,3 +235,22 @@ def test_mixed_float16_does_not_depend_on_k_or_the_replicas(tmp_path):
   for name in ("k4", "mirrored"):
     for key, value in weights["k1"].items():
       np.testing.assert_allclose(weights[name][key], value, atol=1e-3, err_msg=f"{name} {key}")
+
+
+def test_write_watchers_may_close_in_any_order():
+  """Replicas trace in threads that interleave at a merge_call, so a first watcher may close
+  while a second is open. Each context restored what it found: closing out of order left a
+  stale patch on keras.Variable.assign for good (a review, 2026-12-07)."""
+  from trainer import replica_state  # pylint: disable=g-import-not-at-top
+  unpatched = keras.Variable.__dict__.get("assign")
+  a, b = keras.Variable(0.0), keras.Variable(0.0)
+  first = replica_state.writes_to({id(a)})
+  second = replica_state.writes_to({id(a), id(b)})
+  seen_first, seen_second = first.__enter__(), second.__enter__()
+  a.assign(1.0)
+  first.__exit__(None, None, None)  # Out of order: the first closes while the second is open.
+  b.assign(2.0)
+  second.__exit__(None, None, None)
+  assert seen_first == {id(a)} and seen_second == {id(a), id(b)}
+  assert keras.Variable.__dict__.get("assign") is unpatched
+  assert (float(a.numpy()), float(b.numpy())) == (1.0, 2.0)

@@ -300,10 +300,10 @@ def check_contract(task, model) -> None:
     raise errors.TaskError(
         f"{name}.metric_names is {names!r}; expected a tuple of str, e.g. ('accuracy',) "
         "(a one-name tuple needs its trailing comma)")
-  taken = sorted(set(task.metric_names) & set(RESERVED_METRIC_NAMES))
-  if taken or len(set(task.metric_names)) != len(task.metric_names):
+  taken = sorted(set(names) & set(RESERVED_METRIC_NAMES))
+  if taken or len(set(names)) != len(names):
     raise errors.TaskError(
-        f"{name}.metric_names {list(task.metric_names)}: names must be distinct and not one of "
+        f"{name}.metric_names {list(names)}: names must be distinct and not one of "
         f"{', '.join(RESERVED_METRIC_NAMES)} (microstep reports those itself)")
   if not isinstance(model, keras.Model):
     raise errors.TaskError(f"{name}.build_model returned {type(model).__name__}; expected a "

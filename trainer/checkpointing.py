@@ -276,12 +276,18 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   return None
 
 
+def _state_file(directory: str):
+  """The `checkpoint` state file's CheckpointState, or None (missing or unreadable: it names
+  nothing usable)."""
+  try:
+    return tf.train.get_checkpoint_state(directory)
+  except (tf.errors.OpError, ValueError):
+    return None
+
+
 def _named_by_state_file(directory: str):
   """The checkpoint name the `checkpoint` state file gives (e.g. ckpt-12), or None."""
-  try:
-    state = tf.train.get_checkpoint_state(directory)
-  except (tf.errors.OpError, ValueError):  # Unreadable: it names nothing usable.
-    return None
+  state = _state_file(directory)
   path = None if state is None else state.model_checkpoint_path
   return os.path.basename(path) if path else None
 
@@ -359,10 +365,7 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
       for path in tf.io.gfile.glob(prefix + ".*"):
         tf.io.gfile.rename(path, os.path.join(aside, name + path[len(prefix):]))
   intact = list(reversed(intact_newest_first))  # Oldest first, as the state file lists them.
-  try:
-    state = tf.train.get_checkpoint_state(directory)
-  except (tf.errors.OpError, ValueError):
-    state = None
+  state = _state_file(directory)
   listed = [] if state is None else [os.path.basename(p) for p in state.all_model_checkpoint_paths]
   if damaged or state is None or os.path.basename(state.model_checkpoint_path) != (
       os.path.basename(intact[-1])) or listed != [os.path.basename(p) for p in intact]:

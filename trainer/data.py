@@ -45,6 +45,11 @@ class DatasetFactory:
   make: Callable[..., tf.data.Dataset]
 
   @property
+  def name(self):
+    """The data function's name for messages (the object itself if it has none)."""
+    return getattr(self.make, "__name__", self.make)
+
+  @property
   def takes_input_context(self) -> bool:
     try:
       return len(inspect.signature(self.make).parameters) >= 1
@@ -57,7 +62,7 @@ class DatasetFactory:
       hint = (": wrap it, e.g. `lambda: tf.data.Dataset.from_generator(gen, output_signature="
               "...)`" if inspect.isgenerator(dataset) else "")
       raise errors.DataError(
-          f"the data function {getattr(self.make, '__name__', self.make)!r} returned a "
+          f"the data function {self.name!r} returned a "
           f"{type(dataset).__name__}; it must return a tf.data.Dataset{hint}")
     spec = dataset.element_spec  # Not a dict: refused with the first batch (`_checked`).
     unknown = sorted(name for name, field in (spec.items() if isinstance(spec, dict) else ())
@@ -68,7 +73,7 @@ class DatasetFactory:
       logging.warning("the data function %r yields field(s) %s of unknown rank (e.g. from "
                       "tf.numpy_function or tf.io.parse_tensor); a Keras model cannot read "
                       "such a field: give it a shape in your map, e.g. `tf.ensure_shape(value, "
-                      "[28, 28])`", getattr(self.make, "__name__", self.make), unknown)
+                      "[28, 28])`", self.name, unknown)
     if self.takes_input_context:
       return dataset
     if input_context.num_input_pipelines > 1:

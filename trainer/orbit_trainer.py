@@ -53,7 +53,6 @@ def has_trainable_batchnorm(model) -> bool:
 
 def _gradcache_for(config, task, model, strategy):
   """The GradCache of `accumulation.mode=gradcache`, or one line saying why it cannot be."""
-  update_statistics.refuse_batch_loss(config, task)
   if not isinstance(task, base_task.BatchLossTask):
     raise validation.ConfigError(
         f"`accumulation.mode`=gradcache needs a task with a batch-level loss "

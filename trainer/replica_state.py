@@ -43,7 +43,7 @@ def _writable_state(model) -> list:
 
 _WATCHERS = []  # (ids, written) of every open `writes_to`, whichever thread opened it.
 _WATCHERS_LOCK = threading.Lock()
-_ORIGINAL_ASSIGN = []  # [(own, original)] while the patch is installed.
+_OWN_ASSIGN = []  # [keras.Variable's own `assign`, None if inherited] while patched.
 
 
 @contextlib.contextmanager
@@ -61,7 +61,7 @@ def writes_to(ids):
   with _WATCHERS_LOCK:
     if not _WATCHERS:
       cls = keras.Variable
-      _ORIGINAL_ASSIGN.append((cls.__dict__.get("assign"), cls.assign))  # own: None if inherited.
+      _OWN_ASSIGN.append(cls.__dict__.get("assign"))
       original = cls.assign
 
       def assign(variable, value):
@@ -77,7 +77,7 @@ def writes_to(ids):
     with _WATCHERS_LOCK:
       _WATCHERS.remove(entry)
       if not _WATCHERS:
-        own, _ = _ORIGINAL_ASSIGN.pop()
+        own = _OWN_ASSIGN.pop()
         if own is None:
           del keras.Variable.assign
         else:

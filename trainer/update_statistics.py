@@ -51,7 +51,7 @@ SCALARS = ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace")
 HISTOGRAMS = ("norms", "cosines")
 
 
-def refuse_batch_loss(config, task) -> None:
+def _refuse_batch_loss(config, task) -> None:
   """A ConfigError when per-example statistics are asked of a batch-level loss (eager, host):
   the loss of one example alone (an InfoNCE of one pair) is not its share of the batch's, so
   per-example gradients are undefined. In `sum` mode every statistic came out 0 or negative."""
@@ -70,7 +70,7 @@ class UpdateStatistics:
     self.enabled = self.every > 0
     if not self.enabled:
       return
-    refuse_batch_loss(config, task)
+    _refuse_batch_loss(config, task)
     # BatchNormalization in training mode (batch statistics mix the examples) is refused by
     # the recorder when it is called so, at the first trace: a layer called with
     # training=False (a subclassed model) or frozen is fine.
