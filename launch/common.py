@@ -37,6 +37,7 @@ from absl import app
 from absl import flags
 
 from trainer import exit_codes
+from trainer import flag_errors
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 TRAINER_MODULE = "trainer.main"
@@ -358,7 +359,8 @@ def _parse_flags(argv):
   """absl's parsing, with a bad flag (`--gpus=abc`, an unknown one) as one `error:` line and
   exit 2, as docs/launch.md says; absl's own is two lines and exit 1 (found by a probe)."""
   try:
-    return flags.FLAGS(argv)
+    with flag_errors.help_exits_zero(argv):
+      return flags.FLAGS(argv)
   except flags.Error as e:
     print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)

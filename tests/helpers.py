@@ -12,6 +12,7 @@ import tensorflow as tf
 from trainer import base_task
 from trainer import config_defaults
 from trainer import data
+from trainer import sources
 from trainer import optimizers
 from trainer import run
 from trainer import tasks
@@ -49,7 +50,7 @@ def build(config, workdir, task=None):
 
 def train_source(config, task=None):
   task = task or tasks.create_task(config)
-  return data.as_source(task.train_data(), "train_data()")
+  return sources.as_source(task.train_data(), "train_data()")
 
 
 def local_values(strategy, variable):

@@ -71,6 +71,9 @@ CASES = [
     ("negative learning rate", {"optimizer.learning_rate": -1.0}, None,
      "`optimizer.learning_rate`=-1.0 must be a number > 0"),
     ("momentum >= 1", {"optimizer.momentum": 1.5}, None, "`optimizer.momentum`=1.5 must be in [0, 1)"),
+    # Keras' seeding raised a traceback (a probe, 2026-12-07).
+    ("seed beyond 32 bits", {"seed": 2**32}, None,
+     "`seed`=4294967296 is too large; allowed: 0 to 4294967295"),
     ("negative clip norm", {"optimizer.global_clipnorm": -1.0}, None,
      "`optimizer.global_clipnorm`=-1.0 must be a number >= 0"),
     ("unknown decay", {"optimizer.decay": "step"}, None, "`optimizer.decay`='step' unknown"),

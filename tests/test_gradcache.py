@@ -14,7 +14,7 @@ import tensorflow as tf
 import helpers
 from trainer import base_task
 from trainer import collectives
-from trainer import data
+from trainer import sources
 from trainer import errors
 from trainer import gradcache
 from trainer import replica_state
@@ -100,7 +100,7 @@ def _reference_with_masks(config, task, initial, batches, replicas):
   states = replica_state.seed_states(model)
   k, b = config.accumulation.steps, config.batch_size // replicas
   for update, batch in enumerate(batches):
-    features = {n: t for n, t in batch.items() if n != data.VALID_KEY}
+    features = {n: t for n, t in batch.items() if n != sources.VALID_KEY}
     with tf.GradientTape() as tape:
       pieces = []
       for m in range(k):

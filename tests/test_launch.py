@@ -108,6 +108,17 @@ def test_single_machine_invalid_flags_fail_with_one_line(args, env, needles):
   assert_one_line_error(done, *needles)
 
 
+@pytest.mark.parametrize("module, flag", [
+    ("launch.single_machine", "--help"), ("launch.multi_worker", "-?"),
+    ("trainer.main", "--help"), ("trainer.main", "--helpfull")])
+def test_asking_for_help_prints_it_and_exits_0(module, flag):
+  """absl's help flags exit 1 after printing; asked-for help is a success (a probe, 2026-12-07)."""
+  done = subprocess.run([PY, "-m", module, flag], cwd=REPO_ROOT, capture_output=True, text=True,
+                        timeout=60, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "--workdir" in done.stdout
+
+
 def test_single_machine_missing_workdir_and_config_file():
   assert_one_line_error(launcher("single_machine", f"--config={CONFIG}", "--dry_run"),
                         "--workdir is required")

@@ -446,3 +446,30 @@ def test_a_loss_that_differentiates_the_model_takes_the_general_path(loss_fn, tr
   norms = np.sqrt(sum(np.sum(np.reshape(r, (6, -1)) ** 2, 1) for r in ref))
   np.testing.assert_allclose(stats["norms"], norms, rtol=1e-5)
   assert tf.GradientTape.__enter__ is enter  # The hooks are gone after the recording.
+
+
+def _residual_mlp():
+  x = keras.Input((6,))
+  first = L.Dense(6)(x)
+  return keras.Model(x, L.Dense(3)(first + L.Dense(6, activation="relu")(first)))
+
+
+@pytest.mark.parametrize("build", [
+    _residual_mlp,
+    lambda: keras.Sequential([keras.Input((5, 4)), L.Dense(4), L.LSTM(3), L.Dense(3)])],
+    ids=["residual_sum", "lstm"])
+def test_one_example_traced_keeps_the_direct_formulas_and_matches_the_loop(build):
+  """Traced at a static B=1, Keras squeezes axis 0 away in `x + y` and in RNNs: that read as
+  losses that mix the examples, and every layer went to the general path (a probe,
+  2026-12-07; `general_path='error'` refused the model, and so did the trainer at batch 1)."""
+  keras.utils.set_random_seed(0)
+  model = build()
+  batch = h.batch_for(model, 1)
+  covered = [v for v in model.trainable_variables if "lstm" not in v.path]  # (No formula.)
+  fn = tf.function(lambda b: per_example_gradients(model, h.xent, b, variables=covered,
+                                                   general_path="error"))
+  h.assert_close_rel(fn(batch), h.loop_grads(model, h.xent, batch, covered), 1e-5, "B=1")
+  stats = tf.function(lambda b: per_example.ghost_statistics(model, h.xent, b))(batch)
+  grads = per_example_gradients(model, h.xent, batch)
+  ref = per_example.replica_statistics(grads, model.trainable_variables)
+  np.testing.assert_allclose(stats["norms"], ref["norms"], rtol=1e-5)

@@ -331,6 +331,8 @@ def test_only_full_or_read_only_storage_counts_as_a_storage_failure(tmp_path):
   hint = checkpointing.storage_hint
   assert hint(OSError(28, "No space left on device")) == "disk full?"
   assert hint(OSError(30, "Read-only file system")) == "read-only file system?"
+  assert hint(tf.errors.PermissionDeniedError(None, None, "x; Read-only file system")) == (
+      "read-only file system?")  # Was "no write permission?" (a probe, 2026-12-07).
   assert hint(tf.errors.PermissionDeniedError(None, None, "x; Permission denied")) == (
       "no write permission?")
   assert hint(tf.errors.UnknownError(None, None, "x; Operation not permitted")) == (

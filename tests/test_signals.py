@@ -5,6 +5,7 @@ signal actions untouched, and one real trainer gets both signals at once.
 Found on 2026-12-03: SIGINT and SIGTERM together before training gave a traceback and exit 1,
 and a Ctrl-C after a SIGTERM while training dropped the SIGTERM's checkpoint.
 """
+import logging
 import signal
 import time
 
@@ -86,8 +87,12 @@ def test_a_second_ctrl_c_while_training_stops_at_once_and_says_what_is_lost(hand
   assert actions[signal.SIGINT] is actions[signal.SIGTERM] is shutdown._ignore  # pylint: disable=protected-access
 
 
-def test_a_signal_before_training_stops_at_once_and_later_signals_change_nothing(handlers):
+def test_a_signal_before_training_stops_at_once_and_later_signals_change_nothing(handlers,
+                                                                                monkeypatch):
   shutdown, actions = handlers
+  def ended(code):  # The process would end here, without Python's finalisation.
+    raise SystemExit(code)
+  monkeypatch.setattr(shutdown.os, "_exit", ended)
   with pytest.raises(shutdown.StopRequested) as stopped:
     shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
   assert stopped.value.exit_code == exit_codes.PREEMPTED_EXIT_CODE
@@ -99,3 +104,26 @@ def test_a_signal_before_training_stops_at_once_and_later_signals_change_nothing
       raise stopped.value
   assert exited.value.code == exit_codes.PREEMPTED_EXIT_CODE
   assert actions[signal.SIGINT] == actions[signal.SIGTERM] == signal.SIG_IGN
+
+
+def test_a_stop_after_an_evaluation_names_the_checkpoint_of_its_update(handlers, caplog):
+  """A SIGTERM noted during the evaluation that follows a loop's own save: the save of the stop
+  finds the update saved (`save` returns None), and the log said `saved None` (a probe)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import preemption  # pylint: disable=g-import-not-at-top
+  shutdown, _ = handlers
+
+  class SavedAlready:
+    latest_checkpoint = "/w/checkpoints/ckpt-4"
+
+    def save(self, **unused_kwargs):
+      return None
+  watcher = preemption.PreemptionWatcher(tf.distribute.get_strategy(), SavedAlready(),
+                                         tf.Variable(4, dtype=tf.int64))
+  with shutdown.deferred():
+    shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+  with caplog.at_level(logging.WARNING), pytest.raises(shutdown.StopRequested) as stopped:
+    watcher({})
+  assert "stopping: saved /w/checkpoints/ckpt-4 at update 4" in caplog.text
+  assert str(stopped.value) == ("stopped by SIGTERM; checkpoint written at update 4, rerun to "
+                                "resume")

@@ -6,6 +6,8 @@ was not built yet failed deep inside Keras, tuple datasets and empty ones gave t
 `mixed_precision` did not reach a task's own layers. In-process through `run.run`; the command
 line turns these errors into one line with exit 2 (tests/test_tasks.py).
 """
+import logging
+
 import keras
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ import example_tasks
 import helpers
 from trainer import base_task
 from trainer import errors
+from trainer import loss_call
 from trainer import run
 
 
@@ -121,6 +124,14 @@ class StateMadeInTheLoss(example_tasks.NoMetrics):
     return base_task.LossOutput(loss=_xent(model, batch, training) + 0.0 * counter)
 
 
+class FieldTypo(example_tasks.NoMetrics):
+  """Reads `label` where the data has `y`: a 60-line KeyError traceback until a probe."""
+
+  def per_example_loss(self, model, batch, training):
+    return base_task.LossOutput(loss=_xent(model, {"x": batch["x"], "y": batch["label"]},
+                                           training))
+
+
 class NoTrainingArgument(example_tasks.NoMetrics):
   def per_example_loss(self, model, batch):  # pylint: disable=arguments-differ
     return base_task.LossOutput(loss=_xent(model, batch, False))
@@ -180,6 +191,25 @@ class EmptyEvalDataset(example_tasks.NoMetrics):
   def eval_data(self):
     arrays = example_tasks._arrays(40, 2)  # pylint: disable=protected-access
     return lambda: tf.data.Dataset.from_tensor_slices(arrays).filter(lambda e: e["y"] > 5)
+
+
+class RepeatingEvalDataset(example_tasks.NoMetrics):
+  """Evaluation data that repeats: the evaluation never ended, and SIGTERM could not stop it."""
+
+  def eval_data(self):
+    arrays = example_tasks._arrays(40, 2)  # pylint: disable=protected-access
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays).repeat()
+
+
+def test_evaluation_data_without_end_is_refused_at_start_unless_eval_steps_bound_it(tmp_path):
+  with pytest.raises(errors.DataError, match=r"^eval_data\(\) \('<lambda>'\) repeats without end "
+                     r"\(tf.data cardinality infinite\), so an evaluation would never finish; "
+                     r"drop its .repeat\(\), or set `eval_steps`"):
+    _train(RepeatingEvalDataset, tmp_path, mode="train_and_eval")
+  assert not (tmp_path / "checkpoints").exists() or not list((tmp_path / "checkpoints").iterdir())
+  result = _train(RepeatingEvalDataset, tmp_path / "bounded", mode="train_and_eval", eval_steps=3)
+  assert result["eval"]["examples"] == 3 * _config().eval_batch_size  # Three batches of it.
+  assert _train(RepeatingEvalDataset, tmp_path / "train_only")["global_step"] == 2
 
 
 class NegativeWeights(example_tasks.NoMetrics):
@@ -281,6 +311,8 @@ class WithStringLookup(example_tasks.NoMetrics):
      r"evaluation step, anew in every trace \(e.g. a Keras layer made inside per_example_loss"),
     (StateMadeInTheLoss, errors.TaskError, r"^the task creates variables inside the training or "
      r"evaluation step, anew in every trace "),
+    (FieldTypo, errors.DataError, r"^FieldTypo.per_example_loss reads the field 'label', which "
+     r"the training batch lacks; its fields: x, y$"),
     (NoTrainingArgument, errors.TaskError,
      r"per_example_loss cannot be called as \(model, batch, training=...\)"),
     (TupleDataset, errors.DataError, "tf.data source elements are tuple; expected dicts"),
@@ -306,6 +338,36 @@ def test_xla_on_refuses_a_layer_xla_cannot_compile_in_one_line(tmp_path):
                      r"False\); allowed: auto \(then off for this model\) or off$"):
     _train(WithStringLookup, tmp_path, xla="on")
   assert _train(WithStringLookup, tmp_path / "auto", xla="auto")["global_step"] == 2
+
+
+class HeadMadeOnceInTheLoss(example_tasks.NoMetrics):
+  """Makes a Dense head at the first call of the loss and keeps it: it runs, but its weights are
+  not the model's, so the optimizer never trains them (silent until 2026-12-07: a probe)."""
+
+  def per_example_loss(self, model, batch, training):
+    if not hasattr(self, "head"):
+      self.head = keras.layers.Dense(2, kernel_initializer="ones", name="late_head")
+    logits = self.head(model(batch["x"], training=training))
+    return base_task.LossOutput(loss=keras.losses.sparse_categorical_crossentropy(
+        batch["y"], logits, from_logits=True))
+
+
+def test_a_layer_made_once_in_the_loss_trains_with_a_warning_that_it_never_learns(
+    tmp_path, caplog):
+  loss_call.WARNED_OUTSIDE.clear()
+  task = HeadMadeOnceInTheLoss(_config())
+  with caplog.at_level(logging.WARNING):
+    assert run.run(_config(), str(tmp_path), task=task)["global_step"] == 2
+  warnings = [r.getMessage() for r in caplog.records if "outside the model" in r.getMessage()]
+  assert len(warnings) == 1, warnings  # Once, though the loss is traced several times.
+  assert warnings[0].startswith("HeadMadeOnceInTheLoss.per_example_loss created 2 trainable "
+                                "variable(s) outside the model (kernel, bias): the optimizer "
+                                "never updates them"), warnings
+  np.testing.assert_array_equal(task.head.kernel.numpy(), 1.0)  # As the warning says.
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):  # A task whose layers are all the model's: silent.
+    run.run(_config(), str(tmp_path / "plain"), task=example_tasks.NoMetrics(_config()))
+  assert not [r for r in caplog.records if "outside the model" in r.getMessage()]
 
 
 class ScalarWeight(example_tasks.NoMetrics):

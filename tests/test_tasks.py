@@ -18,6 +18,7 @@ import example_tasks
 import helpers
 from trainer import base_task
 from trainer import data
+from trainer import sources
 from trainer import errors
 from trainer import run
 
@@ -30,13 +31,13 @@ def test_every_random_access_source_gives_the_same_batches(tmp_path):
   arrays = example_tasks._arrays(40, 1)  # pylint: disable=protected-access
   np.savez(tmp_path / "mine.npz", **arrays)
   records = [{k: v[i] for k, v in arrays.items()} for i in range(40)]
-  sources = {"dict": arrays, "npz": str(tmp_path / "mine.npz"), "indexable": records,
-             "example_source": data.arrays_source(arrays)}
+  kinds = {"dict": arrays, "npz": str(tmp_path / "mine.npz"), "indexable": records,
+           "example_source": sources.arrays_source(arrays)}
   positions = tf.range(30, 60, dtype=tf.int64)  # Spans the end of epoch 0 and epoch 1.
-  batches = {name: data.batch_at(data.as_source(s, name), positions, seed=5, shuffle=True)
-             for name, s in sources.items()}
+  batches = {name: data.batch_at(sources.as_source(s, name), positions, seed=5, shuffle=True)
+             for name, s in kinds.items()}
   for name, batch in batches.items():
-    assert set(batch) == {"x", "y", data.VALID_KEY}, name
+    assert set(batch) == {"x", "y", sources.VALID_KEY}, name
     for key in ("x", "y"):
       np.testing.assert_array_equal(batch[key], batches["dict"][key], err_msg=name)
   epoch1 = np.asarray(batches["dict"]["y"][10:])  # Positions 40..59: a permutation of epoch 1.
@@ -51,10 +52,10 @@ def test_a_pandas_dataframe_is_the_dict_of_its_columns():
   columns = {"size": rng.normal(size=30).astype(np.float32), "y": rng.randint(0, 2, 30),
              "word": np.array(["cat", "dog", "horse"])[rng.randint(0, 3, 30)]}
   positions = tf.range(0, 45, dtype=tf.int64)
-  got = data.batch_at(data.as_source(pd.DataFrame(columns), "frame"), positions, seed=3,
+  got = data.batch_at(sources.as_source(pd.DataFrame(columns), "frame"), positions, seed=3,
                       shuffle=True)
-  want = data.batch_at(data.as_source(columns, "dict"), positions, seed=3, shuffle=True)
-  assert set(got) == set(want) == {"size", "y", "word", data.VALID_KEY}
+  want = data.batch_at(sources.as_source(columns, "dict"), positions, seed=3, shuffle=True)
+  assert set(got) == set(want) == {"size", "y", "word", sources.VALID_KEY}
   for key in columns:
     np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
@@ -63,7 +64,7 @@ def test_indexable_records_keep_strings_longer_than_record_0s():
   """They were cut to record 0's length ('horse' -> 'hor')."""
   words = ["cat", "horse", "hippopotamus", "ox"]
   records = [{"word": np.array(w), "n": np.int64(i)} for i, w in enumerate(words)]
-  batch = data.batch_at(data.as_source(records, "train_data()"), tf.range(4, dtype=tf.int64),
+  batch = data.batch_at(sources.as_source(records, "train_data()"), tf.range(4, dtype=tf.int64),
                         seed=0, shuffle=False)
   assert [w.decode() for w in batch["word"].numpy()] == words
   np.testing.assert_array_equal(batch["n"], [0, 1, 2, 3])
@@ -80,7 +81,7 @@ def test_indexable_records_keep_strings_longer_than_record_0s():
 ])
 def test_bad_sources_are_one_line(bad, message):
   with pytest.raises(errors.DataError, match=message) as error:
-    data.as_source(bad, "train_data()")
+    sources.as_source(bad, "train_data()")
   assert "\n" not in str(error.value)
 
 
@@ -92,16 +93,16 @@ def test_an_npz_of_several_splits_is_one_line(tmp_path):
            x_test=arrays["x"][:8], y_test=arrays["y"][:8])
   with pytest.raises(errors.DataError, match=r"^train_data\(\)='.*mnist.npz' holds 2 splits "
                      r"\(test, train\); return a dict of one split's arrays"):
-    data.as_source(str(tmp_path / "mnist.npz"), "train_data()")
+    sources.as_source(str(tmp_path / "mnist.npz"), "train_data()")
 
 
 def test_tf_data_eval_pads_and_covers_every_example_once():
-  factory = data.DatasetFactory(lambda: tf.data.Dataset.from_tensor_slices(
+  factory = sources.DatasetFactory(lambda: tf.data.Dataset.from_tensor_slices(
       {"x": tf.range(10, dtype=tf.float32)}))
   ctx = tf.distribute.InputContext(num_replicas_in_sync=2)
   batches = list(data.factory_eval_stream(ctx, factory, global_batch=8))
   assert len(batches) % 2 == 0, "every local replica gets a batch at every step"
-  valid = np.concatenate([b[data.VALID_KEY].numpy() for b in batches])
+  valid = np.concatenate([b[sources.VALID_KEY].numpy() for b in batches])
   xs = np.concatenate([b["x"].numpy() for b in batches])
   assert valid.sum() == 10 and sorted(xs[valid == 1]) == list(range(10))
 
@@ -416,8 +417,11 @@ def test_a_subclassed_model_exports_the_inputs_the_task_gives_it(tmp_path):
   assert np.max(np.abs(loaded.serve(inputs).numpy() - expected)) <= 1e-6
 
 
-def test_mode_export_writes_the_checkpointed_model(tmp_path):
+def test_mode_export_writes_the_checkpointed_model(tmp_path, monkeypatch):
   config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "eval_every": 2})
   run.run(config, str(tmp_path))
-  result = run.run(helpers.tiny_config(mode="export"), str(tmp_path))
-  assert result["global_step"] == 2 and result["export"].endswith("export/2")
+  monkeypatch.chdir(tmp_path.parent)  # A relative workdir: result.json holds the absolute path.
+  result = run.run(helpers.tiny_config(mode="export"), tmp_path.name)
+  assert result["global_step"] == 2 and result["export"] == str(tmp_path / "export" / "2")
+  with open(tmp_path / "result.export.json") as f:
+    assert json.load(f)["export"] == str(tmp_path / "export" / "2")

@@ -69,6 +69,7 @@ import keras
 import tensorflow as tf
 
 from trainer import errors
+from trainer import loss_call
 
 DataError = errors.DataError
 
@@ -192,20 +193,26 @@ def batch_loss_of(task, representations, valid) -> BatchLossOutput:
 def weighted_outputs(task, model, batch: dict, training: bool):
   """Runs `task.per_example_loss` on a batch from `trainer.data`; traced, replica context.
 
-  Removes the framework's validity mask (`trainer.data.VALID_KEY`) from the batch, multiplies it
+  Removes the framework's validity mask (`trainer.sources.VALID_KEY`) from the batch, multiplies it
   into the task's weights, and checks the task's output against the contract.
 
   Returns:
     (loss [B] float32, weight [B] float32, [metric [B] float32 per name in task.metric_names]).
   """
-  from trainer import data  # pylint: disable=g-import-not-at-top
-  features = {k: v for k, v in batch.items() if k != data.VALID_KEY}
-  valid = batch[data.VALID_KEY]
+  from trainer import sources  # pylint: disable=g-import-not-at-top
+  features = {k: v for k, v in batch.items() if k != sources.VALID_KEY}
+  valid = batch[sources.VALID_KEY]
   if isinstance(task, BatchLossTask):  # Its own batch's loss, for every example of the batch.
-    out = batch_loss_of(task, task.represent(model, features, training=training), valid)
+    with loss_call.fields_named(task, "represent", features, training):
+      represented = loss_call.variables_outside_noted(
+          task, model, "represent", lambda: task.represent(model, features, training=training))
+    out = batch_loss_of(task, represented, valid)
     fill = lambda value: tf.fill(tf.shape(valid), tf.cast(value, tf.float32))
     return fill(out.loss), valid, [fill(out.metrics[m]) for m in task.metric_names]
-  out = task.per_example_loss(model, features, training=training)
+  with loss_call.fields_named(task, "per_example_loss", features, training):
+    out = loss_call.variables_outside_noted(
+        task, model, "per_example_loss",
+        lambda: task.per_example_loss(model, features, training=training))
   name = type(task).__name__
   if not isinstance(out, LossOutput):
     raise errors.TaskError(f"{name}.per_example_loss returned {type(out).__name__}; expected "

@@ -180,11 +180,12 @@ _FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 def storage_hint(error: BaseException) -> str:
   """A guess at the cause of a failed write, for its one-line error: `disk full?`, ..."""
   text = str(error)
+  # (Before permissions: TF raises a read-only mount's EROFS as PermissionDeniedError.)
+  if "Read-only file system" in text or getattr(error, "errno", None) == errno.EROFS:
+    return "read-only file system?"
   if isinstance(error, tf.errors.PermissionDeniedError) or "Permission denied" in text or (
       "Operation not permitted" in text):
     return "no write permission?"
-  if "Read-only file system" in text or getattr(error, "errno", None) == errno.EROFS:
-    return "read-only file system?"
   if isinstance(error, tf.errors.ResourceExhaustedError) or any(
       cause in text for cause in _FULL_OR_READ_ONLY):
     return "disk full?"

@@ -32,6 +32,7 @@ import tensorflow as tf
 from trainer import base_task
 from trainer import checkpointing
 from trainer import data
+from trainer import sources
 from trainer import errors
 
 
@@ -66,7 +67,7 @@ def _complete(path: str) -> bool:
 def batch_spec(source, batch_size: int) -> dict:
   """TensorSpecs of a training batch of `source` (host; builds the pipeline, reads nothing)."""
   context = tf.distribute.InputContext()
-  if isinstance(source, data.DatasetFactory):
+  if isinstance(source, sources.DatasetFactory):
     return data.factory_train_stream(context, source, batch_size).element_spec
   return data.train_stream(context, source, batch_size, seed=0, shuffle=False).element_spec
 
@@ -120,12 +121,14 @@ def recorded_signature(task, model, source, batch_size: int) -> Optional[list]:
 
 
 def export_model(task, model, workdir: str, step: int, source=None, batch_size: int = 1) -> str:
-  """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path.
+  """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path,
+  absolute for a local workdir (it goes into result.json, read from anywhere).
 
   The input signature is `task.serving_signature()`, else the one recorded from the task's
   calls on the training `source` (subclassed models), else the model's own inputs.
   """
-  final = os.path.join(workdir, "export", str(step))
+  local = "://" not in workdir
+  final = os.path.join(os.path.abspath(workdir) if local else workdir, "export", str(step))
   partial = f"{final}.partial.{os.getpid()}"
   signature = task.serving_signature()
   try:

@@ -6,6 +6,7 @@ failure (a missing or broken config file, a config that raises, an unknown varia
 value of the wrong type, an unknown flag) into `microstep: error: ...` and exit code 2. Eager,
 host, free of TensorFlow imports.
 """
+import contextlib
 import importlib.util
 import re
 import sys
@@ -15,11 +16,32 @@ from absl import flags
 from trainer import exit_codes
 
 
+def say(message: str) -> None:
+  """Prints `microstep: error: ...`, one line whatever the message held, on stderr."""
+  line = " ".join(str(message).split())
+  print(f"microstep: error: {line}", file=sys.stderr, flush=True)
+
+
 def fail(message: str, code: int = exit_codes.BAD_INPUT_EXIT_CODE):
   """Prints one line and exits (the command line's only way to report an error)."""
-  line = " ".join(str(message).split())  # One line, whatever the message held.
-  print(f"microstep: error: {line}", file=sys.stderr, flush=True)
+  say(message)
   sys.exit(code)
+
+
+_HELP_FLAGS = frozenset({"help", "?", "helpshort", "helpfull", "helpxml"})
+
+
+@contextlib.contextmanager
+def help_exits_zero(argv):
+  """absl's help flags (`--help`, `-?`, `--helpshort`, `--helpfull`, `--helpxml`) print their
+  text and exit 1 from inside the flag parser; help that was asked for is a success, exit 0."""
+  try:
+    yield
+  except SystemExit as e:
+    if e.code == 1 and any(a.lstrip("-").split("=", 1)[0] in _HELP_FLAGS
+                           for a in argv[1:] if a.startswith("-")):
+      sys.exit(0)
+    raise
 
 
 def _config_arg(argv) -> str:
@@ -114,7 +136,8 @@ def _describe(error, argv) -> str:
 def parse(argv):
   """`absl.app.run` flags parser: parses, or fails with one line and exit code 2."""
   try:
-    remaining = flags.FLAGS(argv)
+    with help_exits_zero(argv):
+      remaining = flags.FLAGS(argv)
     if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
       list(flags.FLAGS["config"].value.keys())  # A config that failed to load raises only now.
     return remaining

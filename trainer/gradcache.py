@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from trainer import accumulation
 from trainer import base_task
-from trainer import data
+from trainer import sources
 from trainer import replica_state
 
 
@@ -96,7 +96,7 @@ class GradCache:
   def _represent(self, batch, update, micro_step, replica):
     seeded(self._states, self.seed, update, micro_step, replica, self.num_replicas,
            self.micro_steps)
-    features = {k: v for k, v in batch.items() if k != data.VALID_KEY}
+    features = {k: v for k, v in batch.items() if k != sources.VALID_KEY}
     return self.task.represent(self.model, features, training=True)
 
   def accumulate(self, batches, buffers, update, loss_scale=None, reached=None):

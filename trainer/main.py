@@ -73,14 +73,14 @@ def main(argv):
     if message is None:
       raise
     failure = (message, exit_codes.CHECKPOINT_IO_EXIT_CODE)
+  if stop:  # Its checkpoint is written: the process ends at once (`shutdown.exit_on_stop`).
+    raise stop
   # The run's objects go now, while Python runs: what their destructors log (e.g. TensorFlow on
   # a checkpoint it could not restore) comes before a failure's line, which stays last; and an
   # input pipeline's destructor waits for its tf.data threads, which may be inside Python code
   # (`tf.numpy_function` of an indexable source, `from_generator`) that needs the GIL: at
   # interpreter shutdown they can never get it, and the finished process hung (a probe).
   gc.collect()
-  if stop:
-    raise stop
   if failure:
     flag_errors.fail(*failure)
 

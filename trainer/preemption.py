@@ -59,7 +59,10 @@ class PreemptionWatcher:
     if not signum:
       return
     step = int(self._global_step.numpy())
-    path = self._manager.save(checkpoint_number=step, check_interval=False)
+    # None when this update is saved already (a stop noted during an evaluation that followed
+    # the loop's own save).
+    path = (self._manager.save(checkpoint_number=step, check_interval=False)
+            or self._manager.latest_checkpoint)
     logging.warning("stopping: saved %s at update %d", path, step)
     name = "SIGINT" if shutdown.exit_code_for(signum) == 130 else "SIGTERM"
     raise shutdown.stop(

@@ -10,7 +10,6 @@ import functools
 import json
 import math
 import os
-import re
 import shutil
 
 from absl import logging
@@ -21,6 +20,7 @@ import tensorflow as tf
 from trainer import base_task
 from trainer import checkpointing
 from trainer import data
+from trainer import sources
 from trainer import errors
 from trainer import export
 from trainer import host_iterator
@@ -30,6 +30,7 @@ from trainer import orbit_trainer
 from trainer import preemption
 from trainer import reading_controller
 from trainer import shutdown
+from trainer import step_errors
 from trainer import strategies
 from trainer import tasks
 from trainer import validation
@@ -46,7 +47,7 @@ def _resume_iterator(config, strategy) -> bool:
 def _train_dataset(config, strategy, source, start: int):
   """Distributed training batches from micro-batch `start` on (random access or skip)."""
   def dataset_fn(ctx):
-    if isinstance(source, data.DatasetFactory):
+    if isinstance(source, sources.DatasetFactory):
       return data.factory_train_stream(ctx, source, config.batch_size, skip_batches=start)
     return data.train_stream(ctx, source, config.batch_size, seed=config.seed,
                              shuffle=config.data.shuffle, start_batch=start)
@@ -59,8 +60,14 @@ def _eval_dataset(config, strategy, source):
     steps = config.eval_steps if steps == -1 else min(steps, config.eval_steps)
 
   def dataset_fn(ctx):
-    if isinstance(source, data.DatasetFactory):
+    if isinstance(source, sources.DatasetFactory):
       dataset = data.factory_eval_stream(ctx, source, config.eval_batch_size)
+      if (steps == -1 and config.mode in EVALUATING_MODES
+          and dataset.cardinality() == tf.data.INFINITE_CARDINALITY):  # It hung, deaf to signals.
+        raise errors.DataError(
+            f"eval_data() ({source.name!r}) repeats without end (tf.data cardinality infinite), "
+            "so an evaluation would never finish; drop its .repeat(), or set `eval_steps` "
+            "(allowed: a number of batches > 0)")
       return dataset if steps == -1 else dataset.take(steps * data.local_replicas(ctx))
     return data.eval_stream(ctx, source, config.eval_batch_size, num_batches=steps)
   return strategy.distribute_datasets_from_function(dataset_fn), steps
@@ -78,84 +85,8 @@ def _strict_json(value):
   return clean(value)
 
 
-# TF's error when Dataset.batch meets examples of different shapes.
-_UNEVEN_SHAPES = re.compile(
-    r"component \d+\. First element had shape \[[^\]]*\] and element \d+ had shape \[[^\]]*\]")
 TRAINING_MODES = ("train", "train_and_eval")
 EVALUATING_MODES = ("train_and_eval", "eval", "continuous_eval")
-
-
-# Several replicas (or devices) that fail in one step: TF lists each root error, indented, as
-# `  (0) INVALID_ARGUMENT: text`, and ends with `N derived errors ignored.`
-_FIRST_ROOT_ERROR = re.compile(r"^\s+\(0\) [A-Z_]+:\s*(\S.*)$", re.MULTILINE)
-
-
-def _said(message: str) -> str:
-  """What a TensorFlow op error says, without its stack: the first root error's text when
-  several replicas failed, else the last line of `message` that is neither indented (TF's node
-  list, a Python traceback's frames) nor TF's preamble (for an error of Python code in a tf.data
-  function, that is the Python exception's own line)."""
-  root = _FIRST_ROOT_ERROR.search(message)
-  if root:
-    return root.group(1).strip()
-  said = [line for line in message.splitlines() if line.strip() and not line[0].isspace()
-          and not line.startswith(("Graph execution error", "Detected at node"))]
-  return (said[-1] if said else message.strip().splitlines()[-1]).strip()
-
-
-def _invalid_batch(error, workdir: str) -> str:
-  """One line for an InvalidArgumentError of a step or of its input pipeline."""
-  message = error.message or str(error)
-  ours = re.search(r"^trainer\.errors\.\w+: (.+)$", message, re.MULTILINE)
-  if ours:  # A microstep error raised inside the input pipeline (`data._column`).
-    return ours.group(1).strip()
-  uneven = _UNEVEN_SHAPES.search(message)
-  if uneven:
-    return (f"a tf.data source yields examples of different shapes ({uneven.group(0)}, in the "
-            "order of the example's sorted keys); examples are batched as they come: pad or crop "
-            "every example to one shape in the source (e.g. with .map), padding tokens weighted 0")
-  if _INPUT_NODE.search(message):  # E.g. a record that does not parse, the source's assertion.
-    return _unreadable_input(error, workdir)
-  return _rejected_batch(message)
-
-
-def _rejected_batch(message: str) -> str:
-  """One line from a TensorFlow op error raised by a step (a label outside the classes, an id
-  outside an Embedding's vocabulary): the node and what it said, without TF's stack."""
-  node = re.search(r"Detected at node '?([^'\s]+)", message)
-  text = _said(message)
-  assertion = re.match(r"assertion failed: \[(.*?)\](?: \[|\s*$)", text)
-  if assertion:  # A tf.debugging assertion (the task's, or microstep's own checks): its message.
-    return assertion.group(1)
-  if len(text) > 240:
-    text = text[:240] + " ..."
-  where = f" at {node.group(1)}" if node else ""
-  return (f"TensorFlow rejected a batch{where}: {text} (the data's values do not fit the model "
-          "or the loss: e.g. labels outside the classes, token ids outside the vocabulary)")
-
-
-# An error raised while the input pipeline produced a batch: a node of the iterator, or a
-# transformation of the tf.data source named in TF's message.
-_INPUT_NODE = re.compile(r"\{\{node (?:\S*/)?IteratorGetNext\w*\}\}|Iterator::")
-_IN_TF_DATA_FUNCTION = re.compile(
-    r"^Error in user-defined function passed to \S+ transformation with iterator: \S+: ")
-_INPUT_HINTS = {tf.errors.DataLossError: "a damaged file?", tf.errors.NotFoundError:
-                "a missing file?", tf.errors.PermissionDeniedError: "no read permission?"}
-
-
-def _unreadable_input(error, workdir: str) -> str:
-  """One line for a batch the input pipeline could not produce: a truncated or corrupt record
-  file (DataLossError), a file gone (NotFoundError), a Python error in the source's own code
-  (UnknownError around its traceback): its cause, without TF's stack, and where to resume."""
-  cause = " ".join(_said(error.message or str(error)).split())
-  cause = _IN_TF_DATA_FUNCTION.sub("", cause)
-  if not isinstance(error, tf.errors.UnknownError):  # (Unknown: the Python exception's line.)
-    cause = f"{type(error).__name__}: {cause}"
-  cause = errors.cut_middle(cause, 200, head=80)
-  hint = _INPUT_HINTS.get(type(error))
-  return (f"reading the input data failed ({cause}){'; ' + hint if hint else '.'} The latest "
-          f"checkpoint is {checkpointing.latest_checkpoint(workdir) or 'none'}: fix the data "
-          "and rerun to resume")
 
 
 @contextlib.contextmanager
@@ -189,7 +120,7 @@ def _check_eval_fields(task, model, train_source, eval_source, batch_size) -> No
     field = e.args[0] if e.args else missing[0]
     raise errors.DataError(
         f"eval_data() has no field {field!r}, which {type(task).__name__} reads in evaluation; "
-        f"its fields: {', '.join(sorted(k for k in eval_spec if k != data.VALID_KEY))}; "
+        f"its fields: {', '.join(sorted(k for k in eval_spec if k != sources.VALID_KEY))}; "
         f"train_data() also has {', '.join(missing)}") from None
   except Exception:  # pylint: disable=broad-except  (Anything else: the evaluation reports it.)
     return
@@ -210,10 +141,10 @@ def build(config, workdir, task=None):
     shutdown.reinstall()  # TF's C++ preemption notifier took SIGTERM over; take it back.
   validation.validate_replicas(config, strategy.num_replicas_in_sync)
   task = task if task is not None else tasks.create_task(config)
-  train_source = data.as_source(task.train_data(), "train_data()")
+  train_source = sources.as_source(task.train_data(), "train_data()")
   eval_data = task.eval_data()
-  eval_source = None if eval_data is None else data.as_source(eval_data, "eval_data()")
-  num_train = data.num_examples(train_source)
+  eval_source = None if eval_data is None else sources.as_source(eval_data, "eval_data()")
+  num_train = sources.num_examples(train_source)
   if num_train is not None and config.batch_size // strategy.num_replicas_in_sync > num_train:
     raise errors.ConfigError(
         f"`batch_size`={config.batch_size} gives each replica more examples than the "
@@ -257,7 +188,7 @@ def build(config, workdir, task=None):
 
   start = int(trainer.micro_batches_seen.numpy())
   iterator = None
-  if isinstance(train_source, data.DatasetFactory) and _resume_iterator(config, strategy):
+  if isinstance(train_source, sources.DatasetFactory) and _resume_iterator(config, strategy):
     num_workers = strategies.num_workers(strategy)
     make = lambda skip: host_iterator.HostIterator(
         strategy, lambda ctx: data.factory_train_stream(ctx, train_source, config.batch_size,
@@ -287,7 +218,7 @@ def build(config, workdir, task=None):
       iterator = make(start)
     trainer.train_dataset = iterator  # Orbit calls iter() on it: an iterator returns itself.
   else:
-    if isinstance(train_source, data.DatasetFactory) and start:
+    if isinstance(train_source, sources.DatasetFactory) and start:
       logging.warning("tf.data source on %s: resuming by skipping the %d micro-batches already "
                       "consumed (no iterator checkpoints)", type(strategy).__name__, start)
     trainer.train_dataset = _train_dataset(config, strategy, train_source, start)
@@ -351,46 +282,20 @@ def _run(config, workdir: str, task, lock) -> dict:
       eval_summary_dir=os.path.join(summaries, "eval"), train_actions=[watcher],
       eval_actions=[watcher])  # A signal noted during an evaluation stops right after it.
   result = {}
-  with watcher.installed() if training else contextlib.nullcontext():
-    try:
-      if config.mode == "train" or (config.mode == "train_and_eval" and evaluator is None):
-        controller.train(steps=config.train_steps)
-      elif config.mode == "eval":
+  with (watcher.installed() if training else contextlib.nullcontext(),
+        step_errors.explained(workdir, training)):
+    if config.mode == "train" or (config.mode == "train_and_eval" and evaluator is None):
+      controller.train(steps=config.train_steps)
+    elif config.mode == "eval":
+      result["eval"] = controller.evaluate(steps=eval_steps)
+    elif config.mode == "train_and_eval":
+      result["eval"] = controller.train_and_evaluate(
+          train_steps=config.train_steps, eval_steps=eval_steps, eval_interval=config.eval_every)
+      if result["eval"] is None:  # Training was already done: Orbit evaluated nothing.
         result["eval"] = controller.evaluate(steps=eval_steps)
-      elif config.mode == "train_and_eval":
-        result["eval"] = controller.train_and_evaluate(
-            train_steps=config.train_steps, eval_steps=eval_steps, eval_interval=config.eval_every)
-        if result["eval"] is None:  # Training was already done: Orbit evaluated nothing.
-          result["eval"] = controller.evaluate(steps=eval_steps)
-      elif config.mode == "continuous_eval":
-        result["eval"] = controller.evaluate_continuously(steps=eval_steps,
-                                                          timeout=config.eval_timeout_s)
-    except tf.errors.OutOfRangeError:
-      if not training:
-        raise
-      raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
-          "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
-          "every example), on this worker at least (its shard)") from None
-    except tf.errors.InvalidArgumentError as e:
-      raise errors.DataError(_invalid_batch(e, workdir)) from None
-    except ValueError as e:  # TF's own words for a variable made anew in every trace.
-      if "only supports singleton tf.Variables" not in str(e):
-        raise
-      raise errors.TaskError(
-          "the task creates variables inside the training or evaluation step, anew in every "
-          "trace (e.g. a Keras layer made inside per_example_loss, or `keras.random.normal"
-          "(shape)` without a seed under a distribution strategy); make them in build_model "
-          "(a keras.random.SeedGenerator stored on the model for random ops)") from None
-    except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
-            tf.errors.UnknownError) as e:
-      if not _INPUT_NODE.search(e.message or ""):
-        raise
-      raise errors.DataError(_unreadable_input(e, workdir)) from None
-    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
-            tf.errors.CancelledError) as e:
-      raise preemption.PeerLostError(
-          f"a multi-worker peer stopped answering ({type(e).__name__}); restart all workers to "
-          f"resume from the last checkpoint") from e
+    elif config.mode == "continuous_eval":
+      result["eval"] = controller.evaluate_continuously(steps=eval_steps,
+                                                        timeout=config.eval_timeout_s)
   step = int(trainer.global_step.numpy())
   if chief and (config.mode == "export" or (training and config.export_at_end)):
     result["export"] = export.export_model(

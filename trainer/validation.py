@@ -106,6 +106,8 @@ def validate(config) -> None:
   for field in ("cpu_replicas", "seed", "optimizer.warmup_steps", "summary_every",
                 "max_consecutive_skips", "per_example.every_steps"):
     _number(config, field, 0)
+  if config.seed > 2**32 - 1:  # Keras' set_random_seed raised a traceback (a probe).
+    raise ConfigError(f"`seed`={config.seed} is too large; allowed: 0 to {2**32 - 1}")
   _number(config, "optimizer.learning_rate", 0, integer=False, strict=True)
   _number(config, "peer_timeout_s", 0, integer=False, strict=True)
   _number(config, "skip_window", 1)

@@ -37,13 +37,13 @@ def _applied_and_full_gradient(task_name, mode, k, seed, workdir):
   _, trainer, _, _, _ = run.build(config, workdir)
   variables = trainer.model.trainable_variables
   before = [v.numpy().copy() for v in variables]
-  source = data.as_source(trainer.task.train_data(), "train_data()")
+  source = sources.as_source(trainer.task.train_data(), "train_data()")
   batch = data.batch_at(source, tf.range(FLAGS.examples, dtype=tf.int64), seed=seed,
                         shuffle=True)
-  features = {n: t for n, t in batch.items() if n != data.VALID_KEY}
+  features = {n: t for n, t in batch.items() if n != sources.VALID_KEY}
   with tf.GradientTape() as tape:
     reps = trainer.task.represent(trainer.model, features, training=True)
-    loss = base_task.batch_loss_of(trainer.task, reps, batch[data.VALID_KEY]).loss
+    loss = base_task.batch_loss_of(trainer.task, reps, batch[sources.VALID_KEY]).loss
   full = np.concatenate([np.ravel(g) for g in tape.gradient(loss, variables)])
   trainer.train(tf.constant(1))
   applied = np.concatenate([np.ravel(b - v.numpy()) for b, v in zip(before, variables)])

@@ -117,6 +117,8 @@ class BatchAxis:
     if (not self._has_batch or not isinstance(losses, tf.Tensor)
         or isinstance(losses, tf.__internal__.EagerTensor)):
       return ""
+    if self.size == 1:  # One example: its loss is its own, whatever the graph does to axis 0
+      return ""         # (traced at B=1, Keras squeezes it away in `x + y` and RNNs: a probe).
     label, via = self._labeller.label(losses)
     if label is None or (label != axis_rules.MOVED and label.in_order):
       return ""

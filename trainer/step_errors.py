@@ -1,0 +1,128 @@
+"""One line for the errors that a training or evaluation step raises, without TF's stack.
+
+`explained(workdir, training)` wraps the Controller's calls (eager, host). Inside a step the
+errors are TensorFlow's, raised from traced code in replica context: a batch the model or the
+loss cannot take, a record the input pipeline cannot read, an empty training stream, variables
+made anew in every trace, a multi-worker peer gone. Each becomes a `trainer.errors` error (or
+`PeerLostError`) whose message names the cause and, for input errors, the checkpoint to resume
+from. Anything else passes through unchanged.
+"""
+import contextlib
+import re
+
+import tensorflow as tf
+
+from trainer import checkpointing
+from trainer import errors
+from trainer import preemption
+
+
+@contextlib.contextmanager
+def explained(workdir: str, training: bool):
+  """Re-raises the step errors named in the module docstring as one-line errors."""
+  try:
+    yield
+  except tf.errors.OutOfRangeError:
+    if not training:
+      raise
+    raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
+        "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
+        "every example), on this worker at least (its shard)") from None
+  except tf.errors.InvalidArgumentError as e:
+    raise errors.DataError(_invalid_batch(e, workdir)) from None
+  except ValueError as e:  # TF's own words for a variable made anew in every trace.
+    if "only supports singleton tf.Variables" not in str(e):
+      raise
+    raise errors.TaskError(
+        "the task creates variables inside the training or evaluation step, anew in every "
+        "trace (e.g. a Keras layer made inside per_example_loss, or `keras.random.normal"
+        "(shape)` without a seed under a distribution strategy); make them in build_model "
+        "(a keras.random.SeedGenerator stored on the model for random ops)") from None
+  except (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.PermissionDeniedError,
+          tf.errors.UnknownError) as e:
+    if not _INPUT_NODE.search(e.message or ""):
+      raise
+    raise errors.DataError(_unreadable_input(e, workdir)) from None
+  except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError,
+          tf.errors.CancelledError) as e:
+    raise preemption.PeerLostError(
+        f"a multi-worker peer stopped answering ({type(e).__name__}); restart all workers to "
+        f"resume from the last checkpoint") from e
+
+
+# TF's error when Dataset.batch meets examples of different shapes.
+_UNEVEN_SHAPES = re.compile(
+    r"component \d+\. First element had shape \[[^\]]*\] and element \d+ had shape \[[^\]]*\]")
+
+
+# Several replicas (or devices) that fail in one step: TF lists each root error, indented, as
+# `  (0) INVALID_ARGUMENT: text`, and ends with `N derived errors ignored.`
+_FIRST_ROOT_ERROR = re.compile(r"^\s+\(0\) [A-Z_]+:\s*(\S.*)$", re.MULTILINE)
+
+
+def _said(message: str) -> str:
+  """What a TensorFlow op error says, without its stack: the first root error's text when
+  several replicas failed, else the last line of `message` that is neither indented (TF's node
+  list, a Python traceback's frames) nor TF's preamble (for an error of Python code in a tf.data
+  function, that is the Python exception's own line)."""
+  root = _FIRST_ROOT_ERROR.search(message)
+  if root:
+    return root.group(1).strip()
+  said = [line for line in message.splitlines() if line.strip() and not line[0].isspace()
+          and not line.startswith(("Graph execution error", "Detected at node"))]
+  return (said[-1] if said else message.strip().splitlines()[-1]).strip()
+
+
+def _invalid_batch(error, workdir: str) -> str:
+  """One line for an InvalidArgumentError of a step or of its input pipeline."""
+  message = error.message or str(error)
+  ours = re.search(r"^trainer\.errors\.\w+: (.+)$", message, re.MULTILINE)
+  if ours:  # A microstep error raised inside the input pipeline (`sources._column`).
+    return ours.group(1).strip()
+  uneven = _UNEVEN_SHAPES.search(message)
+  if uneven:
+    return (f"a tf.data source yields examples of different shapes ({uneven.group(0)}, in the "
+            "order of the example's sorted keys); examples are batched as they come: pad or crop "
+            "every example to one shape in the source (e.g. with .map), padding tokens weighted 0")
+  if _INPUT_NODE.search(message):  # E.g. a record that does not parse, the source's assertion.
+    return _unreadable_input(error, workdir)
+  return _rejected_batch(message)
+
+
+def _rejected_batch(message: str) -> str:
+  """One line from a TensorFlow op error raised by a step (a label outside the classes, an id
+  outside an Embedding's vocabulary): the node and what it said, without TF's stack."""
+  node = re.search(r"Detected at node '?([^'\s]+)", message)
+  text = _said(message)
+  assertion = re.match(r"assertion failed: \[(.*?)\](?: \[|\s*$)", text)
+  if assertion:  # A tf.debugging assertion (the task's, or microstep's own checks): its message.
+    return assertion.group(1)
+  if len(text) > 240:
+    text = text[:240] + " ..."
+  where = f" at {node.group(1)}" if node else ""
+  return (f"TensorFlow rejected a batch{where}: {text} (the data's values do not fit the model "
+          "or the loss: e.g. labels outside the classes, token ids outside the vocabulary)")
+
+
+# An error raised while the input pipeline produced a batch: a node of the iterator, or a
+# transformation of the tf.data source named in TF's message.
+_INPUT_NODE = re.compile(r"\{\{node (?:\S*/)?IteratorGetNext\w*\}\}|Iterator::")
+_IN_TF_DATA_FUNCTION = re.compile(
+    r"^Error in user-defined function passed to \S+ transformation with iterator: \S+: ")
+_INPUT_HINTS = {tf.errors.DataLossError: "a damaged file?", tf.errors.NotFoundError:
+                "a missing file?", tf.errors.PermissionDeniedError: "no read permission?"}
+
+
+def _unreadable_input(error, workdir: str) -> str:
+  """One line for a batch the input pipeline could not produce: a truncated or corrupt record
+  file (DataLossError), a file gone (NotFoundError), a Python error in the source's own code
+  (UnknownError around its traceback): its cause, without TF's stack, and where to resume."""
+  cause = " ".join(_said(error.message or str(error)).split())
+  cause = _IN_TF_DATA_FUNCTION.sub("", cause)
+  if not isinstance(error, tf.errors.UnknownError):  # (Unknown: the Python exception's line.)
+    cause = f"{type(error).__name__}: {cause}"
+  cause = errors.cut_middle(cause, 200, head=80)
+  hint = _INPUT_HINTS.get(type(error))
+  return (f"reading the input data failed ({cause}){'; ' + hint if hint else '.'} The latest "
+          f"checkpoint is {checkpointing.latest_checkpoint(workdir) or 'none'}: fix the data "
+          "and rerun to resume")
