@@ -423,6 +423,12 @@ def test_resume_guard_fields(tmp_path):
   result = run.run(helpers.tiny_config(**dict(base, train_steps=8, seed=7,
                                               allow_config_change="seed")), str(tmp_path))
   assert result["global_step"] == 8
+  # An evaluation reads the checkpoints: the training stream's fields are its own (they were
+  # refused as "resuming with a changed `batch_size`", a probe); the model's are not.
+  reading = dict(base, mode="eval", batch_size=8, seed=3, **{"accumulation.steps": 4})
+  assert run.run(helpers.tiny_config(**reading), str(tmp_path))["global_step"] == 8
+  with pytest.raises(errors.ConfigError, match="changed `optimizer.name`"):
+    run.run(helpers.tiny_config(**dict(reading, **{"optimizer.name": "sgd"})), str(tmp_path))
 
 
 def test_a_resume_with_another_constant_learning_rate_uses_it(tmp_path):

@@ -11,7 +11,8 @@
 * `check_resume`: the resolved config of the run lives in `config.json`. A restart that changes
   a field which gives the saved state its meaning (batch size, seed, task, model, optimizer,
   accumulation, data; SGD momentum to or from 0, which adds or drops the optimizer's slots) is
-  refused, naming the fields and the override that accepts them; so is
+  refused, naming the fields and the override that accepts them (an evaluation or export, which
+  only reads the checkpoints, may change those of the training stream: batch size, seed, k); so is
   a restart over checkpoints whose `config.json` is missing or unreadable (written atomically,
   so only outside hands damage it), unless `allow_config_change` lists `unchecked`.
 """
@@ -37,6 +38,13 @@ RESUME_FIXED = ("task", "model", "batch_size", "seed", "mixed_precision", "optim
                 "data.features_key", "data.labels_key", "text.vocab_size",
                 "text.sequence_length", "text.target_token", "text.train_examples",
                 "histogram.features", "histogram.train_examples")
+
+
+# Of those, the ones that only give the training stream its meaning (which examples make each
+# update): a run that only reads checkpoints (`eval`, `continuous_eval`, `export`) ignores them.
+TRAINING_STREAM = ("batch_size", "seed", "accumulation.steps", "data.shuffle",
+                   "data.synthetic_train_examples", "text.train_examples",
+                   "histogram.train_examples")
 
 
 # Fields every config.json microstep ever wrote holds: one without them says nothing.
@@ -209,7 +217,8 @@ def check_resume(config, workdir: str) -> None:
                     "=%s)", path, problem, UNCHECKED)
     return
   changed, unchecked = [], []
-  for field in RESUME_FIXED:
+  reading = config.mode in ("eval", "continuous_eval", "export")
+  for field in (f for f in RESUME_FIXED if not (reading and f in TRAINING_STREAM)):
     node = _field(saved, field)
     now = _field(config, field)
     if node is None and now is not None and field not in allowed:
