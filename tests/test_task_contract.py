@@ -370,6 +370,37 @@ def test_a_layer_made_once_in_the_loss_trains_with_a_warning_that_it_never_learn
   assert not [r for r in caplog.records if "outside the model" in r.getMessage()]
 
 
+class UnknownRankOutputs(example_tasks.NoMetrics):
+  """Loss, weight and metric of unknown rank (through tf.numpy_function): refused as "shape
+  <unknown>; expected [B]" at trace time until a probe (2026-12-07)."""
+  metric_names = ("error",)
+
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, batch, training)
+    return base_task.LossOutput(loss=_unknown_rank(loss), weight=_unknown_rank(tf.ones_like(loss)),
+                                metrics={"error": _unknown_rank(loss)})
+
+
+def _unknown_rank(t):
+  """`t`'s values and gradient, its rank unknown to the trace (a copy through numpy)."""
+  copy = tf.numpy_function(lambda a: a, [t], t.dtype, stateful=False)
+  return copy + (t - tf.stop_gradient(t))
+
+
+class UnknownRankPerToken(UnknownRankOutputs):
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, batch, training)
+    return base_task.LossOutput(loss=_unknown_rank(tf.stack([loss, loss], 1)),
+                                metrics={"error": loss})
+
+
+def test_outputs_of_unknown_rank_are_checked_when_the_step_runs(tmp_path):
+  assert _train(UnknownRankOutputs, tmp_path)["global_step"] == 2
+  with pytest.raises(errors.DataError, match=r"^UnknownRankPerToken.per_example_loss: loss is not "
+                                             r"one value per example \[B\]\.?$"):
+    _train(UnknownRankPerToken, tmp_path / "per_token")
+
+
 class ScalarWeight(example_tasks.NoMetrics):
   def per_example_loss(self, model, batch, training):
     return base_task.LossOutput(loss=_xent(model, batch, training), weight=2.0)

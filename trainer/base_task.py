@@ -217,14 +217,15 @@ def weighted_outputs(task, model, batch: dict, training: bool):
   if not isinstance(out, LossOutput):
     raise errors.TaskError(f"{name}.per_example_loss returned {type(out).__name__}; expected "
                            "base_task.LossOutput(loss=..., weight=..., metrics=...)")
-  loss = tf.cast(out.loss, tf.float32)
+  loss = _rank_one_if_unknown(f"{name}.per_example_loss: loss", tf.cast(out.loss, tf.float32))
   if loss.shape.rank != 1:
     raise errors.TaskError(f"{name}.per_example_loss: loss has shape {loss.shape}; expected one "
                            "value per example [B] (never a mean)")
   loss = _check_per_example(f"{name}.per_example_loss: loss", loss, valid)
   weight = valid
   if out.weight is not None:
-    weight = tf.cast(out.weight, tf.float32)
+    weight = _rank_one_if_unknown(f"{name}.per_example_loss: weight",
+                                  tf.cast(out.weight, tf.float32))
     if weight.shape.rank == 0:  # One weight for the whole batch.
       weight = tf.fill(tf.shape(valid), weight)
     if weight.shape.rank != 1:  # A [B, 1] column would broadcast with the loss to [B, B].
@@ -237,12 +238,24 @@ def weighted_outputs(task, model, batch: dict, training: bool):
                            f"{name}.metric_names {sorted(task.metric_names)}")
   metrics = []
   for m in task.metric_names:
-    value = tf.cast(out.metrics[m], tf.float32)
+    value = _rank_one_if_unknown(f"{name}.per_example_loss: metric {m!r}",
+                                 tf.cast(out.metrics[m], tf.float32))
     if value.shape.rank != 1:
       raise errors.TaskError(f"{name}.per_example_loss: metric {m!r} has shape {value.shape}; "
                              "expected [B]")
     metrics.append(_check_per_example(f"{name}.per_example_loss: metric {m!r}", value, valid))
   return loss, weight, metrics
+
+
+def _rank_one_if_unknown(what: str, value):
+  """`value` as a vector when the trace does not know its rank (after a `tf.numpy_function`, or
+  a comparison with a field of unknown shape): checked when the step runs, failing it with one
+  line, instead of refused at trace time as not [B] (a probe, 2026-12-07)."""
+  if value.shape.rank is not None:
+    return value
+  check = tf.debugging.assert_rank(value, 1, message=f"{what} is not one value per example [B]")
+  with tf.control_dependencies([check]):
+    return tf.reshape(value, [-1])  # (Only after the check: rank 1, or the step fails.)
 
 
 def _check_per_example(what: str, value, valid):

@@ -96,7 +96,7 @@ def _rejected_batch(message: str) -> str:
   text = _said(message)
   assertion = re.match(r"assertion failed: \[(.*?)\](?: \[|\s*$)", text)
   if assertion:  # A tf.debugging assertion (the task's, or microstep's own checks): its message.
-    return assertion.group(1)
+    return assertion.group(1).strip()
   if len(text) > 240:
     text = text[:240] + " ..."
   where = f" at {node.group(1)}" if node else ""
