@@ -212,6 +212,35 @@ def test_evaluation_data_without_end_is_refused_at_start_unless_eval_steps_bound
   assert _train(RepeatingEvalDataset, tmp_path / "train_only")["global_step"] == 2
 
 
+class FewerExamplesThanABatch(example_tasks.NoMetrics):
+  """10 examples in a tf.data source, batches of 16: each batch held examples twice, silently,
+  where the same arrays are refused (a probe, 2026-12-07)."""
+
+  def train_data(self):
+    arrays = example_tasks._arrays(10, 1)  # pylint: disable=protected-access
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays)
+
+
+class RepeatedFewExamples(FewerExamplesThanABatch):
+  def train_data(self):
+    return lambda: super(RepeatedFewExamples, self).train_data()().repeat()
+
+
+def test_a_tf_data_source_smaller_than_a_batch_is_refused_as_arrays_are(tmp_path):
+  with pytest.raises(errors.ConfigError, match=r"^`batch_size`=16 gives each replica 16 examples, "
+                     r"more than the 10 of the tf.data training source; allowed: at most 10 "):
+    _train(FewerExamplesThanABatch, tmp_path)
+  with pytest.raises(errors.ConfigError, match=r"more examples than the 10 of the training data"):
+    _train(TenArrays, tmp_path / "arrays")  # The same examples as arrays: refused before too.
+  # Repeated by the user (its size unknown to TF's cardinality): trains, as before.
+  assert _train(RepeatedFewExamples, tmp_path / "repeated")["global_step"] == 2
+
+
+class TenArrays(example_tasks.NoMetrics):
+  def train_data(self):
+    return example_tasks._arrays(10, 1)  # pylint: disable=protected-access
+
+
 class NegativeWeights(example_tasks.NoMetrics):
   def per_example_loss(self, model, batch, training):
     weight = tf.where(batch["y"] > 0, 1.0, -0.25)

@@ -148,7 +148,14 @@ def factory_train_stream(input_context, factory: sources.DatasetFactory, global_
   """
   local = local_replicas(input_context)
   per_replica = input_context.get_per_replica_batch_size(global_batch)
-  dataset = factory.dataset(input_context).repeat().batch(per_replica, drop_remainder=True)
+  examples = factory.dataset(input_context)
+  size = int(examples.cardinality())  # -1 repeated already, -2 unknown (e.g. after a filter).
+  if 0 < size < per_replica:  # As for arrays (`trainer.run.build`): batches would repeat examples.
+    where = " on this input pipeline" if input_context.num_input_pipelines > 1 else ""
+    raise errors.ConfigError(
+        f"`batch_size`={global_batch} gives each replica {per_replica} examples, more than the "
+        f"{size} of the tf.data training source{where}; allowed: at most {size} per replica")
+  dataset = examples.repeat().batch(per_replica, drop_remainder=True)
   dataset = dataset.map(_mark_valid, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
   if skip_batches:
     dataset = dataset.skip(skip_batches * local)
