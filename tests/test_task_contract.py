@@ -132,6 +132,15 @@ class FieldTypo(example_tasks.NoMetrics):
                                            training))
 
 
+class BatchedByTheSource(example_tasks.NoMetrics):
+  """A tf.data source that batches its examples itself (e.g. a padded_batch): batched again, the
+  model saw [16, 4, 12] and Keras' check was a traceback (a probe, 2026-12-07)."""
+
+  def train_data(self):
+    arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays).batch(4)
+
+
 class NoTrainingArgument(example_tasks.NoMetrics):
   def per_example_loss(self, model, batch):  # pylint: disable=arguments-differ
     return base_task.LossOutput(loss=_xent(model, batch, False))
@@ -342,6 +351,9 @@ class WithStringLookup(example_tasks.NoMetrics):
      r"evaluation step, anew in every trace "),
     (FieldTypo, errors.DataError, r"^FieldTypo.per_example_loss reads the field 'label', which "
      r"the training batch lacks; its fields: x, y$"),
+    (BatchedByTheSource, errors.DataError, r"^the model rejects the batch's shape: Expected "
+     r"shape \(None, 12\), but input has incompatible shape \(16, None, 12\) \(a tf.data source "
+     "must yield single examples"),
     (NoTrainingArgument, errors.TaskError,
      r"per_example_loss cannot be called as \(model, batch, training=...\)"),
     (TupleDataset, errors.DataError, "tf.data source elements are tuple; expected dicts"),

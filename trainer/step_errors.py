@@ -30,9 +30,15 @@ def explained(workdir: str, training: bool):
         "every example), on this worker at least (its shard)") from None
   except tf.errors.InvalidArgumentError as e:
     raise errors.DataError(_invalid_batch(e, workdir)) from None
-  except ValueError as e:  # TF's own words for a variable made anew in every trace.
-    if "only supports singleton tf.Variables" not in str(e):
-      raise
+  except ValueError as e:
+    rejected = _INCOMPATIBLE_INPUT.search(str(e))
+    if rejected:  # Keras' input check, at trace time.
+      raise errors.DataError(
+          f"the model rejects the batch's shape: {rejected.group(0).strip()} (a tf.data source "
+          "must yield single examples, which microstep batches: one batched already gets a "
+          "second batch axis)") from None
+    if "only supports singleton tf.Variables" not in str(e):  # TF's words for a variable made
+      raise                                                    # anew in every trace.
     raise errors.TaskError(
         "the task creates variables inside the training or evaluation step, anew in every "
         "trace (e.g. a Keras layer made inside per_example_loss, or `keras.random.normal"
@@ -48,6 +54,13 @@ def explained(workdir: str, training: bool):
     raise preemption.PeerLostError(
         f"a multi-worker peer stopped answering ({type(e).__name__}); restart all workers to "
         f"resume from the last checkpoint") from e
+
+
+# Keras' error for an input that does not fit a layer's input spec (e.g. `Input((T, 12))` fed
+# [B, b, T, 12] by a source that batched its examples itself).
+_INCOMPATIBLE_INPUT = re.compile(
+    r'Input \d+ of layer "[^"]+" is incompatible with the layer: [^\n\x1b]+'
+    r"|Expected shape \([^)]*\), but input has incompatible shape \([^)]*\)")
 
 
 # TF's error when Dataset.batch meets examples of different shapes.
