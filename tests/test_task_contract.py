@@ -243,6 +243,17 @@ def test_a_tf_data_source_smaller_than_a_batch_is_refused_as_arrays_are(tmp_path
     _train(TenArrays, tmp_path / "arrays")  # The same examples as arrays: refused before too.
   # Repeated by the user (its size unknown to TF's cardinality): trains, as before.
   assert _train(RepeatedFewExamples, tmp_path / "repeated")["global_step"] == 2
+  # Evaluation data smaller than a batch is padded, as always.
+  result = _train(SmallEvalDataset, tmp_path / "small_eval", mode="train_and_eval")
+  assert result["eval"]["examples"] == 10
+
+
+class SmallEvalDataset(example_tasks.NoMetrics):
+  def train_data(self):
+    return lambda: tf.data.Dataset.from_tensor_slices(example_tasks._arrays(64, 1))  # pylint: disable=protected-access
+
+  def eval_data(self):
+    return lambda: tf.data.Dataset.from_tensor_slices(example_tasks._arrays(10, 2))  # pylint: disable=protected-access
 
 
 class TenArrays(example_tasks.NoMetrics):

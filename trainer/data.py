@@ -141,16 +141,18 @@ def _mark_valid(*parts):
 
 
 def factory_train_stream(input_context, factory: sources.DatasetFactory, global_batch: int, *,
-                         skip_batches: int = 0) -> tf.data.Dataset:
+                         skip_batches: int = 0, for_specs: bool = False) -> tf.data.Dataset:
   """Per-replica training batches from a tf.data factory: repeated, full batches (host).
 
   `skip_batches` global micro-batches are dropped first (resume without a stored iterator).
+  A source with fewer examples than one replica's batch raises ConfigError, unless the stream
+  is built `for_specs` only (`trainer.export.batch_spec`, which also reads evaluation data).
   """
   local = local_replicas(input_context)
   per_replica = input_context.get_per_replica_batch_size(global_batch)
   examples = factory.dataset(input_context)
   size = int(examples.cardinality())  # -1 repeated already, -2 unknown (e.g. after a filter).
-  if 0 < size < per_replica:  # As for arrays (`trainer.run.build`): batches would repeat examples.
+  if 0 < size < per_replica and not for_specs:  # Batches would repeat examples (as arrays).
     where = " on this input pipeline" if input_context.num_input_pipelines > 1 else ""
     raise errors.ConfigError(
         f"`batch_size`={global_batch} gives each replica {per_replica} examples, more than the "

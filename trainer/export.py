@@ -68,7 +68,7 @@ def batch_spec(source, batch_size: int) -> dict:
   """TensorSpecs of a training batch of `source` (host; builds the pipeline, reads nothing)."""
   context = tf.distribute.InputContext()
   if isinstance(source, sources.DatasetFactory):
-    return data.factory_train_stream(context, source, batch_size).element_spec
+    return data.factory_train_stream(context, source, batch_size, for_specs=True).element_spec
   return data.train_stream(context, source, batch_size, seed=0, shuffle=False).element_spec
 
 
