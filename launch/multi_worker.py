@@ -12,7 +12,7 @@ Worker 0 is the chief (it writes the checkpoints and summaries). Two modes:
                             The repo must be checked out at --remote_dir on every host and
                             --workdir must be shared by all of them (NFS, gs://).
   --local=N                 N workers on this machine (127.0.0.1, CPU only, free ports found by
-                            binding port 0), each under `timeout -k 5 --timeout_s`. A rehearsal of
+                            binding port 0), each under `timeout -k 30 --timeout_s`. A rehearsal of
                             a real cluster, and what the tests run.
 
 The launcher waits for all workers. When one fails it stops the others (SIGTERM by PID, SIGKILL
@@ -44,7 +44,7 @@ def define_flags() -> None:
   flags.DEFINE_integer("local", 0, "Local mode: number of workers on 127.0.0.1.")
   flags.DEFINE_integer(
       "timeout_s", None,
-      "Kill each worker after this many seconds (`timeout -k 5`). Default: "
+      "Kill each worker after this many seconds (`timeout -k 30`). Default: "
       f"{DEFAULT_LOCAL_TIMEOUT_S} in local mode, no limit in remote mode.")
   flags.DEFINE_multi_string(
       "override", [], "Config override FIELD=VALUE (repeatable), passed as --config.FIELD=VALUE.")
@@ -83,7 +83,10 @@ def _settings(overrides: Sequence[str]) -> list[tuple[str, str]]:
 
 
 def _timeout_prefix(timeout_s: int | None) -> list[str]:
-  return ["timeout", "-k", "5", str(timeout_s)] if timeout_s else []
+  # SIGTERM (from the launcher, or at `timeout_s`) gives the worker common.TERM_GRACE_S to write
+  # its checkpoint at the end of its loop, as the launcher's own stop does; with 5 s, a worker
+  # stopped while tracing its first step was SIGKILLed (137; a probe, 2026-12-07).
+  return ["timeout", "-k", f"{common.TERM_GRACE_S:g}", str(timeout_s)] if timeout_s else []
 
 
 def local_commands(n: int, config: str, workdir: str, overrides: Sequence[str] = (),

@@ -209,7 +209,7 @@ def test_multi_worker_local_dry_run_writes_one_tf_config_per_worker():
     config = json.loads(value)
     assert config["task"] == {"type": "worker", "index": index}
     clusters.append(config["cluster"])
-    assert words[2:] == ["timeout", "-k", "5", "240", PY, "-m", "trainer.main",
+    assert words[2:] == ["timeout", "-k", "30", "240", PY, "-m", "trainer.main",
                          f"--config={CONFIG}:smoke,synthetic", f"--workdir={workdir}",
                          "--config.strategy=multi_worker_mirrored", "--config.seed=3"]
   assert clusters[0] == clusters[1]

@@ -127,3 +127,28 @@ def test_a_stop_after_an_evaluation_names_the_checkpoint_of_its_update(handlers,
   assert "stopping: saved /w/checkpoints/ckpt-4 at update 4" in caplog.text
   assert str(stopped.value) == ("stopped by SIGTERM; checkpoint written at update 4, rerun to "
                                 "resume")
+
+
+def test_a_signal_noted_after_the_last_loop_stops_before_what_follows_training(handlers):
+  """Noted during the final evaluation or save, after the last loop end's check: the export then
+  ran deaf to it (SIGTERM is ignored once noted) and the run exited 0 (a probe, 2026-12-07)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from trainer import preemption  # pylint: disable=g-import-not-at-top
+  shutdown, _ = handlers
+
+  class Manager:
+    latest_checkpoint = None
+
+    def save(self, checkpoint_number, **unused_kwargs):
+      return f"/w/checkpoints/ckpt-{checkpoint_number}"
+  watcher = preemption.PreemptionWatcher(tf.distribute.get_strategy(), Manager(),
+                                         tf.Variable(40, dtype=tf.int64))
+  with pytest.raises(shutdown.StopRequested) as stopped:
+    with watcher.installed():
+      shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+  assert stopped.value.exit_code == exit_codes.PREEMPTED_EXIT_CODE
+  assert str(stopped.value) == ("stopped by SIGTERM; checkpoint written at update 40, rerun to "
+                                "resume")
+  shutdown._state["requested"] = None  # pylint: disable=protected-access  (The fixture's.)
+  with watcher.installed():  # Nothing noted: the block ends quietly.
+    pass

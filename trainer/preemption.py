@@ -37,9 +37,13 @@ class PreemptionWatcher:
 
   @contextlib.contextmanager
   def installed(self):
-    """Signals are only noted inside the block; this watcher acts on them at loop ends."""
+    """Signals are only noted inside the block; this watcher acts on them at loop ends, and once
+    more when the block ends: a signal noted after the last loop's check (during the final
+    evaluation or save) stops the run there, not after the export, which ran deaf to it and
+    exited 0 (a probe, 2026-12-07). On an exception the block ends without that check."""
     with shutdown.deferred():
       yield self
+      self._stop_if_signalled()
 
   def _anyone_signalled(self) -> int:
     """The noted signal number, or 0; agreed by every worker (a SIGTERM wins over SIGINT)."""
@@ -55,6 +59,11 @@ class PreemptionWatcher:
 
   def __call__(self, train_output) -> None:  # pylint: disable=unused-argument
     self._every_loop()
+    self._stop_if_signalled()
+
+  def _stop_if_signalled(self) -> None:
+    """Saves this update and raises StopRequested if any worker noted a signal (eager, host;
+    under MultiWorkerMirrored every worker calls it at the same point: it all-reduces)."""
     signum = self._anyone_signalled()
     if not signum:
       return
