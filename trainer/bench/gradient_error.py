@@ -26,7 +26,7 @@ flags.DEFINE_string("json", "", "Write the rows as JSON here.")
 
 def _applied_and_full_gradient(task_name, mode, k, seed, workdir):
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from trainer import base_task, config_defaults, data, run  # pylint: disable=g-import-not-at-top
+  from trainer import base_task, config_defaults, data, run, sources  # pylint: disable=g-import-not-at-top
   config = config_defaults.base_config()
   config.task, config.model, config.seed = task_name, "mlp", seed
   config.data.source, config.triplet.embedding_dim = "synthetic", 8
