@@ -12,9 +12,9 @@ import tensorflow as tf
 from trainer import base_task
 from trainer import config_defaults
 from trainer import data
-from trainer import sources
 from trainer import optimizers
 from trainer import run
+from trainer import sources
 from trainer import tasks
 
 

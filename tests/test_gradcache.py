@@ -14,10 +14,10 @@ import tensorflow as tf
 import helpers
 from trainer import base_task
 from trainer import collectives
-from trainer import sources
 from trainer import errors
 from trainer import gradcache
 from trainer import replica_state
+from trainer import sources
 from trainer.tasks import batch_losses
 
 LOSSES = ("contrastive_pairs", "batch_hard_triplet", "histogram_chi_square")

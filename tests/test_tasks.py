@@ -18,9 +18,9 @@ import example_tasks
 import helpers
 from trainer import base_task
 from trainer import data
-from trainer import sources
 from trainer import errors
 from trainer import run
+from trainer import sources
 
 FAST = ("train_steps=6", "steps_per_loop=2", "checkpoint_every=2", "eval_every=6",
         "deterministic=True", "export_at_end=False")

@@ -3,23 +3,23 @@
 Two kinds of source (see `trainer.base_task`; `trainer.sources` recognises and checks them):
 
 **Random access** (dict of arrays, `.npz` path, DataFrame, indexable, `ExampleSource`). The
-training data is an infinite stream of example positions 0, 1, 2, ...; position p belongs to epoch p // N and maps
-to example `index_shuffle(p % N, seed=[seed, epoch])`, a stateless permutation. Global
-micro-batch g is positions [g*B, (g+1)*B); replica r of R takes the slice [r*B/R, (r+1)*B/R).
-Hence the examples of every global batch are the same for any number of replicas or workers, k
-micro-batches of B are exactly one batch of k*B, and resuming needs only the number of
-micro-batches consumed (`micro_batches_seen`, in the checkpoint). Evaluation visits positions
-0..N-1 once, padded to whole batches with `VALID_KEY` = 0.
+training data is an infinite stream of example positions 0, 1, 2, ...; position p belongs to
+epoch p // N and maps to example `index_shuffle(p % N, seed=[seed, epoch])`, a stateless
+permutation. Global micro-batch g is positions [g*B, (g+1)*B); replica r of R takes the slice
+[r*B/R, (r+1)*B/R). Hence the examples of every global batch are the same for any number of
+replicas or workers, k micro-batches of B are exactly one batch of k*B, and resuming needs only
+the number of micro-batches consumed (`micro_batches_seen`, in the checkpoint). Evaluation
+visits positions 0..N-1 once, padded to whole batches with `VALID_KEY` = 0.
 
 **A tf.data factory.** Sharded by input pipeline (when the factory takes no input context),
 repeated and batched per replica for training; batched, padded and sharded for evaluation. Resume
 restores the iterator (`trainer.host_iterator`) or skips what was consumed
 (`trainer.checkpointing`).
 
-Every batch carries `sources.VALID_KEY` ([b] float32: 1 for real examples, 0 for padding), which the
-trainer multiplies into the task's weights and removes before the task sees the batch. Dataset
-functions run inside tf.data (traced, host CPU), once per input pipeline, and are handed to
-`strategy.distribute_datasets_from_function`.
+Every batch carries `sources.VALID_KEY` ([b] float32: 1 for real examples, 0 for padding),
+which the trainer multiplies into the task's weights and removes before the task sees the batch.
+Dataset functions run inside tf.data (traced, host CPU), once per input pipeline, and are handed
+to `strategy.distribute_datasets_from_function`.
 """
 import sys
 from typing import Optional

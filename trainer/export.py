@@ -32,8 +32,8 @@ import tensorflow as tf
 from trainer import base_task
 from trainer import checkpointing
 from trainer import data
-from trainer import sources
 from trainer import errors
+from trainer import sources
 
 
 def _remove(path: str) -> None:

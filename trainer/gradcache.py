@@ -28,8 +28,8 @@ import tensorflow as tf
 
 from trainer import accumulation
 from trainer import base_task
-from trainer import sources
 from trainer import replica_state
+from trainer import sources
 
 
 def seeded(states, seed: int, update, micro_step, replica, num_replicas: int,

@@ -20,7 +20,6 @@ import tensorflow as tf
 from trainer import base_task
 from trainer import checkpointing
 from trainer import data
-from trainer import sources
 from trainer import errors
 from trainer import export
 from trainer import host_iterator
@@ -30,6 +29,7 @@ from trainer import orbit_trainer
 from trainer import preemption
 from trainer import reading_controller
 from trainer import shutdown
+from trainer import sources
 from trainer import step_errors
 from trainer import strategies
 from trainer import tasks
@@ -62,7 +62,7 @@ def _eval_dataset(config, strategy, source):
   def dataset_fn(ctx):
     if isinstance(source, sources.DatasetFactory):
       dataset = data.factory_eval_stream(ctx, source, config.eval_batch_size)
-      if (steps == -1 and config.mode in EVALUATING_MODES
+      if (steps == -1 and config.mode in validation.EVALUATING_MODES
           and dataset.cardinality() == tf.data.INFINITE_CARDINALITY):  # It hung, deaf to signals.
         raise errors.DataError(
             f"eval_data() ({source.name!r}) repeats without end (tf.data cardinality infinite), "
@@ -83,10 +83,6 @@ def _strict_json(value):
       return {k: clean(x) for k, x in v.items()}
     return [clean(x) for x in v] if isinstance(v, list) else v
   return clean(value)
-
-
-TRAINING_MODES = ("train", "train_and_eval")
-EVALUATING_MODES = ("train_and_eval", "eval", "continuous_eval")
 
 
 @contextlib.contextmanager
@@ -150,13 +146,13 @@ def build(config, workdir, task=None):
         f"`batch_size`={config.batch_size} gives each replica more examples than the "
         f"{num_train} of the training data; allowed: at most {num_train} per replica")
   chief, worker_id = strategies.worker_role(strategy)
-  training = config.mode in TRAINING_MODES
+  training = config.mode in validation.TRAINING_MODES
   with strategy.scope(), _dtype_policy(config.mixed_precision):
     model = task.build_model()
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   base_task.check_contract(task, model)
   base_task.check_model_fits_run(task, model, strategy, config.mixed_precision)
-  if eval_source is not None and config.mode in EVALUATING_MODES:
+  if eval_source is not None and config.mode in validation.EVALUATING_MODES:
     _check_eval_fields(task, model, train_source, eval_source, config.eval_batch_size)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
@@ -248,7 +244,8 @@ def run(config, workdir: str, task=None) -> dict:
     raise errors.ConfigError(f"`mode`={config.mode} but `--workdir`={workdir!r} holds no "
                              "checkpoint (it does not exist); train first, or check the path")
   workdir_lib.check_writable(workdir)
-  lock = strategies.task_key(config) if config.mode in TRAINING_MODES else config.mode
+  training = config.mode in validation.TRAINING_MODES
+  lock = strategies.task_key(config) if training else config.mode
   with workdir_lib.Lock(workdir, lock) as held:
     return _run(config, workdir, task, held)
 
@@ -267,7 +264,7 @@ def _run(config, workdir: str, task, lock) -> dict:
   summaries = os.path.join(workdir, "summaries")
   watcher = preemption.PreemptionWatcher(strategy, manager, trainer.global_step,
                                          every_loop=lock.check_held)
-  training = config.mode in TRAINING_MODES
+  training = config.mode in validation.TRAINING_MODES
   if training and chief:
     workdir_lib.note_training_start(workdir, trainer.restored_checkpoint,
                                     int(trainer.global_step.numpy()), config.train_steps)

@@ -37,8 +37,8 @@ def explained(workdir: str, training: bool):
           f"the model rejects the batch's shape: {rejected.group(0).strip()} (a tf.data source "
           "must yield single examples, which microstep batches: one batched already gets a "
           "second batch axis)") from None
-    if "only supports singleton tf.Variables" not in str(e):  # TF's words for a variable made
-      raise                                                    # anew in every trace.
+    if "only supports singleton tf.Variables" not in str(e):  # (TF's words for a variable
+      raise                                                    # made anew in every trace.)
     raise errors.TaskError(
         "the task creates variables inside the training or evaluation step, anew in every "
         "trace (e.g. a Keras layer made inside per_example_loss, or `keras.random.normal"

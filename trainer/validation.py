@@ -14,6 +14,8 @@ from trainer import optimizers
 from trainer import strategies
 
 MODES = ("train", "eval", "train_and_eval", "continuous_eval", "export")
+TRAINING_MODES = ("train", "train_and_eval")  # The others only read checkpoints.
+EVALUATING_MODES = ("train_and_eval", "eval", "continuous_eval")
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 
 

@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from trainer import checkpointing
 from trainer import errors
+from trainer import validation
 
 # Fields whose change reinterprets a checkpoint: the data position (`micro_batches_seen`) counts
 # micro-batches of `batch_size` examples in an order fixed by `seed`, the data's size and
@@ -217,7 +218,7 @@ def check_resume(config, workdir: str) -> None:
                     "=%s)", path, problem, UNCHECKED)
     return
   changed, unchecked = [], []
-  reading = config.mode in ("eval", "continuous_eval", "export")
+  reading = config.mode not in validation.TRAINING_MODES
   for field in (f for f in RESUME_FIXED if not (reading and f in TRAINING_STREAM)):
     node = _field(saved, field)
     now = _field(config, field)
