@@ -96,12 +96,12 @@ def test_kill_9_at_random_points_then_resume_bitwise(tmp_path):
     assert np.array_equal(weights[name], ref_weights[name]), name
 
 
-def _per_example_steps(workdir):
-  """The updates whose per-example statistics reached the TensorBoard events on disk."""
+def _summary_steps(workdir, tag_prefix):
+  """The steps of the training events on disk with a tag that starts with `tag_prefix`."""
   steps = set()
   for path in glob.glob(os.path.join(workdir, "summaries", "train", "events.out.tfevents.*")):
     for event in tf.compat.v1.train.summary_iterator(path):
-      if any(v.tag.startswith("per_example/") for v in event.summary.value):
+      if any(v.tag.startswith(tag_prefix) for v in event.summary.value):
         steps.add(event.step)
   return steps
 
@@ -133,7 +133,10 @@ def test_sigterm_checkpoints_and_exits_with_the_preempted_code(tmp_path):
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   step = int(latest.rsplit("-", 1)[1])
   assert step >= 1
-  assert _per_example_steps(str(tmp_path)) == set(range(step))  # Updates 0..step-1, all.
+  assert _summary_steps(str(tmp_path), "per_example/") == set(range(step))  # Updates 0..step-1.
+  # The stopped loop's own scalars too (Orbit writes them after its actions, where the stop was
+  # raised: the last loop's loss was missing).
+  assert set(range(1, step + 1)) == _summary_steps(str(tmp_path), "loss"), step
   resumed = subprocess.run(_cmd(tmp_path, f"--config.train_steps={step + 4}"), cwd=REPO, env=ENV,
                            capture_output=True, text=True, timeout=260, check=False)
   assert resumed.returncode == 0, resumed.stderr[-2000:]

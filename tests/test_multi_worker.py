@@ -3,6 +3,7 @@
 Each worker runs under `timeout -k 5 240`; the test ends only the PIDs it started.
 """
 import contextlib
+import glob
 import os
 import signal
 import socket
@@ -217,6 +218,10 @@ def test_sigterm_to_one_worker_stops_both_with_a_checkpoint(tmp_path):
   assert len(steps) == 1, steps  # Both saved the same update.
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   assert latest.endswith(f"ckpt-{steps.pop()}")
+  # Only the chief (worker 0) writes TensorBoard events: both did, and every point showed twice.
+  # An events file is named events.out.tfevents.<time>.<host>.<pid>.<n>.v2.
+  events = glob.glob(str(tmp_path / "summaries" / "*" / "events.out.tfevents.*"))
+  assert events and {int(path.split(".")[-3]) for path in events} == {procs[0].pid}, events
 
 
 def test_workers_that_restored_different_updates_refuse_to_train(tmp_path):

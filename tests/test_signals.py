@@ -122,11 +122,15 @@ def test_a_stop_after_an_evaluation_names_the_checkpoint_of_its_update(handlers,
                                          tf.Variable(4, dtype=tf.int64))
   with shutdown.deferred():
     shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+  written = []
   with caplog.at_level(logging.WARNING), pytest.raises(shutdown.StopRequested) as stopped:
-    watcher({})
+    watcher.action(written.append)({"accuracy": 0.5})
   assert "stopping: saved /w/checkpoints/ckpt-4 at update 4" in caplog.text
   assert str(stopped.value) == ("stopped by SIGTERM; checkpoint written at update 4, rerun to "
                                 "resume")
+  # The evaluation's results reach its summaries before the stop (Orbit writes them after its
+  # actions: they were computed, then lost).
+  assert written == [{"accuracy": 0.5}]
 
 
 def test_a_signal_noted_after_the_last_loop_stops_before_what_follows_training(handlers):
@@ -150,5 +154,7 @@ def test_a_signal_noted_after_the_last_loop_stops_before_what_follows_training(h
   assert str(stopped.value) == ("stopped by SIGTERM; checkpoint written at update 40, rerun to "
                                 "resume")
   shutdown._state["requested"] = None  # pylint: disable=protected-access  (The fixture's.)
+  written = []
   with watcher.installed():  # Nothing noted: the block ends quietly.
-    pass
+    watcher.action(written.append)({"loss": 1.0})
+  assert not written  # Orbit writes a loop's output itself when no stop cuts its loop short.

@@ -57,16 +57,25 @@ class PreemptionWatcher:
     term, interrupt = self._sum_flags(tf.constant(noted)).numpy()
     return signal.SIGTERM if term > 0 else (signal.SIGINT if interrupt > 0 else 0)
 
-  def __call__(self, train_output) -> None:  # pylint: disable=unused-argument
-    self._every_loop()
-    self._stop_if_signalled()
+  def action(self, write_output=lambda output: None):
+    """An Orbit action for the train or the eval loop (eager, called with the loop's output).
 
-  def _stop_if_signalled(self) -> None:
+    `write_output(output)` runs before a stop: Orbit writes a loop's summaries only after its
+    actions, so the stopped loop's scalars (train loss, metrics; an evaluation's results) were
+    lost from TensorBoard (a probe, 2026-12-07).
+    """
+    def act(output) -> None:
+      self._every_loop()
+      self._stop_if_signalled(lambda: write_output(output))
+    return act
+
+  def _stop_if_signalled(self, before_stop=lambda: None) -> None:
     """Saves this update and raises StopRequested if any worker noted a signal (eager, host;
     under MultiWorkerMirrored every worker calls it at the same point: it all-reduces)."""
     signum = self._anyone_signalled()
     if not signum:
       return
+    before_stop()
     step = int(self._global_step.numpy())
     # None when this update is saved already (a stop noted during an evaluation that followed
     # the loop's own save).

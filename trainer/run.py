@@ -73,6 +73,12 @@ def _eval_dataset(config, strategy, source):
   return strategy.distribute_datasets_from_function(dataset_fn), steps
 
 
+def _write_summaries(summary_manager, output) -> None:
+  """Writes a loop's output as Orbit's Controller does after its actions (eager, host)."""
+  summary_manager.write_summaries(tf.nest.map_structure(orbit.utils.get_value, output))
+  summary_manager.flush()
+
+
 def _strict_json(value):
   """Numbers as JSON allows them: NaN and infinities become null (strict parsers reject them)."""
   value = json.loads(json.dumps(value, default=float))
@@ -271,13 +277,18 @@ def _run(config, workdir: str, task, lock) -> dict:
   controller_class = orbit.Controller if training else functools.partial(
       reading_controller.ReadingController, restored=trainer.restored_checkpoint,
       final_step=lambda: max(config.train_steps, workdir_lib.trained_to(workdir) or 0))
+  writes = lambda manager: lambda output: _write_summaries(getattr(controller, manager), output)
+  # Only the chief writes summaries: every MultiWorkerMirrored worker computes the same values,
+  # and TensorBoard showed each point once per worker.
   controller = controller_class(
       strategy=strategy, trainer=trainer, evaluator=evaluator, global_step=trainer.global_step,
       steps_per_loop=config.steps_per_loop, checkpoint_manager=manager,
       summary_interval=config.summary_every or None,
-      summary_dir=os.path.join(summaries, "train"),
-      eval_summary_dir=os.path.join(summaries, "eval"), train_actions=[watcher],
-      eval_actions=[watcher])  # A signal noted during an evaluation stops right after it.
+      summary_dir=os.path.join(summaries, "train") if chief else None,
+      eval_summary_dir=os.path.join(summaries, "eval") if chief else None,
+      train_actions=[watcher.action(writes("summary_manager"))],
+      # A signal noted during an evaluation stops right after it, its results written.
+      eval_actions=[watcher.action(writes("eval_summary_manager"))])
   result = {}
   with (watcher.installed() if training else contextlib.nullcontext(),
         step_errors.explained(workdir, training)):
