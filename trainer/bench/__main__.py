@@ -14,6 +14,7 @@ from absl import app
 from absl import flags
 
 from trainer import bench
+from trainer import flag_errors
 from trainer.bench import util as bench_util
 
 
@@ -30,6 +31,10 @@ def main(argv=None) -> int:
     return 2
   module = importlib.import_module(f"trainer.bench.{name}")
   if isinstance(getattr(module, "FLAGS", None), flags.FlagValues):
+    if set(argv[1:]) & {"-h", "--help", "-?", "--helpshort"}:
+      # absl's own help describes the main module, this dispatcher, and none of the flags.
+      print(f"{(module.__doc__ or '').strip()}\n\n{flags.FLAGS.module_help(module)}")
+      return 0
     app.run(module.main, argv=[f"trainer.bench {name}"] + argv[1:],  # Exits when main returns.
             flags_parser=functools.partial(_parse_flags, name))
   return int(module.main(argv[1:]) or 0)
@@ -39,7 +44,8 @@ def _parse_flags(name, argv):
   """absl's parsing; a bad flag, or a `--json` file that cannot be written, is one line and
   exit 2 before anything is measured."""
   try:
-    rest = flags.FLAGS(argv)
+    with flag_errors.help_exits_zero(argv):  # absl's `--help` exits 1.
+      rest = flags.FLAGS(argv)
   except flags.Error as e:
     _fail(name, " ".join(str(e).split()))
   problem = bench_util.unwritable(flags.FLAGS["json"].value) if "json" in flags.FLAGS else ""
