@@ -383,6 +383,27 @@ def test_contract_breaches_fail_in_one_line(tmp_path, task_class, error, message
   assert "\n" not in str(info.value)
 
 
+class RegressionOnLogits(example_tasks.NoMetrics):
+  """A squared error of the model's output and a float32 target, as a regression writes it."""
+
+  def per_example_loss(self, model, batch, training):
+    first = model(batch["x"], training=training)[:, 0]
+    return base_task.LossOutput(loss=tf.square(first - tf.cast(batch["y"], tf.float32)))
+
+
+@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
+def test_a_half_precision_output_met_by_float32_labels_is_one_line(tmp_path, precision):
+  """The model's last Dense computes and returns bfloat16 under the policy; the loss's float32
+  target met it in TF's TypeError and its stack (a probe, 2026-12-07)."""
+  half = precision.split("_")[1]
+  with pytest.raises(errors.TaskError, match=(
+      rf"^Input 'y' of 'Sub' Op has type float32 that does not match type {half} "
+      r"\(test_task_contract.py:\d+ in per_example_loss\): under a mixed precision policy Keras "
+      rf"layers compute and return {half}; give the model's last layer dtype='float32'")):
+    _train(RegressionOnLogits, tmp_path, mixed_precision=precision)
+  assert _train(RegressionOnLogits, tmp_path / "f32")["global_step"] == 2
+
+
 def test_xla_on_refuses_a_layer_xla_cannot_compile_in_one_line(tmp_path):
   """It failed in the first step with a message about tracing (default_types.py)."""
   with pytest.raises(errors.ConfigError, match=r"^`xla`=on: layer 'string_lookup\S*' "

@@ -8,6 +8,7 @@ made anew in every trace, a multi-worker peer gone. Each becomes a `trainer.erro
 from. Anything else passes through unchanged.
 """
 import contextlib
+import os
 import re
 
 import tensorflow as tf
@@ -30,6 +31,17 @@ def explained(workdir: str, training: bool):
         "every example), on this worker at least (its shard)") from None
   except tf.errors.InvalidArgumentError as e:
     raise errors.DataError(_invalid_batch(e, workdir)) from None
+  except TypeError as e:
+    mixed = _HALF_MEETS_FLOAT32.search(str(e))
+    if not mixed:
+      raise
+    where = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', str(e))
+    at = f" ({os.path.basename(where[-1][0])}:{where[-1][1]} in {where[-1][2]})" if where else ""
+    raise errors.TaskError(
+        f"{mixed.group(0)}{at}: under a mixed precision policy Keras layers compute and return "
+        f"{mixed.group(1) if mixed.group(1) != 'float32' else mixed.group(2)}; give the model's "
+        "last layer dtype='float32' (Keras' mixed precision guide), or cast its output with "
+        "tf.cast(..., tf.float32) before the loss") from None
   except ValueError as e:
     rejected = _INCOMPATIBLE_INPUT.search(str(e))
     if rejected:  # Keras' input check, at trace time.
@@ -54,6 +66,12 @@ def explained(workdir: str, training: bool):
     raise preemption.PeerLostError(
         f"a multi-worker peer stopped answering ({type(e).__name__}); restart all workers to "
         f"resume from the last checkpoint") from e
+
+
+# TF's error for a bfloat16 or float16 tensor met by a float32 one (or the reverse) in one op: a
+# model under mixed precision whose output is not float32, met by float32 labels in the loss.
+_HALF_MEETS_FLOAT32 = re.compile(r"(?:Input '\w+' of '\w+' Op )?has type (b?float16|float32) "
+                                 r"that does not match type (?!\1)(b?float16|float32)")
 
 
 # Keras' error for an input that does not fit a layer's input spec (e.g. `Input((T, 12))` fed
