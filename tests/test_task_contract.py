@@ -404,6 +404,28 @@ def test_a_half_precision_output_met_by_float32_labels_is_one_line(tmp_path, pre
   assert _train(RegressionOnLogits, tmp_path / "f32")["global_step"] == 2
 
 
+class NanInEvaluation(example_tasks.NoMetrics):
+  """An evaluation loss that is NaN for some examples (as an overflow would make it)."""
+
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, batch, training)
+    if not training:
+      loss += tf.where(batch["x"][:, 0] > 1.0, np.nan, 0.0)
+    return base_task.LossOutput(loss=loss)
+
+
+def test_a_nan_evaluation_is_a_warning_and_null_in_the_result(tmp_path, caplog):
+  """It was written as null without a word (a probe, 2026-12-06)."""
+  with caplog.at_level(logging.WARNING):
+    result = _train(NanInEvaluation, tmp_path, mode="train_and_eval")
+  assert result["eval"]["loss"] is None and result["eval"]["examples"] == 40
+  assert "the evaluation is not finite (loss nan): the model's outputs" in caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    _train(example_tasks.NoMetrics, tmp_path / "finite", mode="train_and_eval")
+  assert "not finite" not in caplog.text
+
+
 def test_xla_on_refuses_a_layer_xla_cannot_compile_in_one_line(tmp_path):
   """It failed in the first step with a message about tracing (default_types.py)."""
   with pytest.raises(errors.ConfigError, match=r"^`xla`=on: layer 'string_lookup\S*' "

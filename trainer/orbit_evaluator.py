@@ -7,8 +7,12 @@
       eval_end()                        # eager: one cross-replica read (SUM), then ratios
 Padding examples of the last batch carry weight 0, so the whole split counts exactly once.
 A tf.data source without a known length is evaluated until it is exhausted (`num_steps=-1`).
-An evaluation that counted no example (empty source, all weights 0) is a `DataError`.
+An evaluation that counted no example (empty source, all weights 0) is a `DataError`; one
+whose loss or a metric is NaN or infinite is a WARNING.
 """
+import math
+
+from absl import logging
 import orbit
 import tensorflow as tf
 
@@ -58,4 +62,9 @@ class Evaluator(orbit.StandardEvaluator):
     output = {"loss": sums[0] / weight, "examples": float(sums[2]), "weight": weight}
     for i, name in enumerate(self.task.metric_names):
       output[name] = sums[3 + i] / weight
+    broken = [f"{name} {value}" for name, value in output.items() if not math.isfinite(value)]
+    if broken:  # result.json holds them as null: say why.
+      logging.warning("the evaluation is not finite (%s): the model's outputs overflowed or "
+                      "diverged, or an example's loss is NaN or infinite; result.json writes "
+                      "these as null", ", ".join(broken))
     return output
