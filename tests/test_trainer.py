@@ -93,6 +93,30 @@ def test_tensorboard_scalars(tmp_path):
   assert {"loss", "accuracy", "learning_rate", "examples_per_second"} <= tags, tags
 
 
+def test_evaluations_fall_on_multiples_of_eval_every_after_a_resume(tmp_path):
+  """Orbit counts its interval from where it starts: resumed at 3 with `eval_every`=2, it
+  evaluated at 5 and 7, not 4, 6 and 7."""
+  from trainer import run  # pylint: disable=g-import-not-at-top
+  base = {"mode": "train_and_eval", "steps_per_loop": 1, "eval_every": 2, "checkpoint_every": 1}
+  run.run(helpers.tiny_config(train_steps=3, **base), str(tmp_path))
+  result = run.run(helpers.tiny_config(train_steps=7, **base), str(tmp_path))
+  evaluated = set()
+  for path in glob.glob(str(tmp_path / "summaries" / "eval" / "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      if any(v.tag == "loss" for v in event.summary.value):
+        evaluated.add(event.step)
+  assert evaluated == {2, 3, 4, 6, 7}
+  assert result["global_step"] == 7 and result["eval"]["examples"] == 64
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-7")
+  # Resumed at the last update: nothing to train, the final weights evaluated again.
+  again = run.run(helpers.tiny_config(train_steps=7, **base), str(tmp_path))
+  assert again["eval"]["loss"] == pytest.approx(result["eval"]["loss"], rel=1e-6)
+  # One update to go, the multiple being the end: trained, saved and evaluated once.
+  last = run.run(helpers.tiny_config(train_steps=8, **base), str(tmp_path))
+  assert last["global_step"] == 8 and last["eval"]["loss"] != again["eval"]["loss"]
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-8")
+
+
 @pytest.mark.parametrize("override,message", [
     ("strategy=ring", "`strategy`='ring' unknown; allowed: default, one_device, mirrored"),
     ("batch_size=15", "`batch_size`=15 is not divisible by the 2 replicas"),

@@ -73,6 +73,27 @@ def _eval_dataset(config, strategy, source):
   return strategy.distribute_datasets_from_function(dataset_fn), steps
 
 
+def _train_and_evaluate(controller, config, eval_steps: int) -> dict:
+  """Trains to `config.train_steps`, evaluating at every multiple of `config.eval_every` and at
+  the end; returns the last evaluation (eager, host).
+
+  Orbit's `train_and_evaluate` counts its interval from the step it starts at: after a resume
+  at update 450, `eval_every`=300 evaluated at 750 and 1050 instead of 600 and 900. The first
+  stretch is trained up to the next multiple here, and Orbit's loop takes it from there.
+  """
+  step, every, last = int(controller.global_step.numpy()), config.eval_every, config.train_steps
+  if step >= last:  # Already trained: evaluate the final weights (e.g. a restart after a stop
+    return controller.evaluate(steps=eval_steps)  # during the final evaluation).
+  if step % every:
+    aligned = min(last, (step // every + 1) * every)
+    controller.train(steps=aligned, checkpoint_at_completion=aligned == last)
+    evaluation = controller.evaluate(steps=eval_steps)
+    if aligned == last:
+      return evaluation
+  return controller.train_and_evaluate(train_steps=last, eval_steps=eval_steps,
+                                       eval_interval=every)
+
+
 def _write_summaries(summary_manager, output) -> None:
   """Writes a loop's output as Orbit's Controller does after its actions (eager, host)."""
   summary_manager.write_summaries(tf.nest.map_structure(orbit.utils.get_value, output))
@@ -297,10 +318,7 @@ def _run(config, workdir: str, task, lock) -> dict:
     elif config.mode == "eval":
       result["eval"] = controller.evaluate(steps=eval_steps)
     elif config.mode == "train_and_eval":
-      result["eval"] = controller.train_and_evaluate(
-          train_steps=config.train_steps, eval_steps=eval_steps, eval_interval=config.eval_every)
-      if result["eval"] is None:  # Training was already done: Orbit evaluated nothing.
-        result["eval"] = controller.evaluate(steps=eval_steps)
+      result["eval"] = _train_and_evaluate(controller, config, eval_steps)
     elif config.mode == "continuous_eval":
       result["eval"] = controller.evaluate_continuously(steps=eval_steps,
                                                         timeout=config.eval_timeout_s)
