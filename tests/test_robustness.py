@@ -150,7 +150,8 @@ def test_two_runs_in_one_workdir_second_exits_2_first_finishes_bitwise(tmp_path)
     assert time.time() - started < 30
     assert second.returncode == 2, second.stderr[-2000:]
     line = _error_line(second)
-    assert "is in use by a live run (host" in line and f"pid {first.pid}," in line, line
+    assert "is in use by a live run (mode=train, host" in line, line
+    assert f"pid {first.pid}," in line, line
   finally:
     os.kill(first.pid, signal.SIGCONT)
     code, err = _finish(first)
@@ -200,6 +201,17 @@ def test_an_evaluator_runs_beside_a_live_trainer(tmp_path):
     trainer.send_signal(signal.SIGTERM)
     code, err = _finish(trainer, timeout=60)
   assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+
+
+def test_a_second_evaluator_is_told_that_an_evaluator_holds_the_workdir(tmp_path):
+  """Evaluators of one mode share a lock; the refusal said "a live run", which read as a
+  trainer beside which evaluators are documented to run (a probe, 2026-12-07)."""
+  run.run(helpers.tiny_config(mode="train"), str(tmp_path))
+  with workdir_lib.Lock(str(tmp_path), "continuous_eval", role="mode=continuous_eval"):
+    with pytest.raises(errors.ConfigError, match=r"is in use by a live run \(mode=continuous_eval, "
+                       rf"host \S+, pid {os.getpid()}, started "):
+      run.run(helpers.tiny_config(mode="continuous_eval", eval_timeout_s=1), str(tmp_path))
+    assert run.run(helpers.tiny_config(mode="eval"), str(tmp_path))["global_step"] == 3
 
 
 @pytest.mark.parametrize("mode", ["eval", "export"])

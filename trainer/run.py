@@ -273,7 +273,7 @@ def run(config, workdir: str, task=None) -> dict:
   workdir_lib.check_writable(workdir)
   training = config.mode in validation.TRAINING_MODES
   lock = strategies.task_key(config) if training else config.mode
-  with workdir_lib.Lock(workdir, lock) as held:
+  with workdir_lib.Lock(workdir, lock, role=f"mode={config.mode}") as held:
     return _run(config, workdir, task, held)
 
 

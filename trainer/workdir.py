@@ -115,12 +115,15 @@ def check_writable(workdir: str) -> None:
 class Lock:
   """`with Lock(workdir, task):` one live run per workdir and task (see the module docstring).
 
-  `task`: "" for a single process, else the multi-worker task, e.g. "worker_1".
+  `task`: "" for a single process, else the multi-worker task, e.g. "worker_1", or the mode
+  of a run that only reads checkpoints. `role` (e.g. "mode=eval") heads the line the lock file
+  holds, which names the holder in a second run's refusal.
   """
 
-  def __init__(self, workdir: str, task: str = ""):
+  def __init__(self, workdir: str, task: str = "", role: str = ""):
     name = f".lock.{task}" if task else ".lock"
     self.path = None if workdir.startswith("gs://") else os.path.join(workdir, name)
+    self._role = f"{role}, " if role else ""
     self._file = None
 
   def __enter__(self):
@@ -147,7 +150,8 @@ class Lock:
     handle.seek(0)
     handle.truncate()
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, started {started}\n")
+    handle.write(f"{self._role}host {socket.gethostname()}, pid {os.getpid()}, "
+                 f"started {started}\n")
     handle.flush()
     self._file = handle
     return self
