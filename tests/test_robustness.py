@@ -203,6 +203,17 @@ def test_an_evaluator_runs_beside_a_live_trainer(tmp_path):
   assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_workdir_path_that_is_not_utf8_is_one_line_and_creates_nothing(tmp_path, mode):
+  """A traceback from TensorFlow's `as_bytes` (a probe, 2026-12-07); training made the
+  directory first."""
+  workdir = os.path.join(str(tmp_path), os.fsdecode(b"run-\xff"))
+  with pytest.raises(errors.ConfigError, match=r"^`--workdir`='.*run-\\udcff' is not valid "
+                     "UTF-8, which TensorFlow's file system needs"):
+    run.run(helpers.tiny_config(mode=mode), workdir)
+  assert not os.listdir(tmp_path)
+
+
 def test_a_second_evaluator_is_told_that_an_evaluator_holds_the_workdir(tmp_path):
   """Evaluators of one mode share a lock; the refusal said "a live run", which read as a
   trainer beside which evaluators are documented to run (a probe, 2026-12-07)."""

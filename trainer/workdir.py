@@ -86,6 +86,17 @@ _LAYOUT = (("checkpoints", True), ("export", True), ("summaries", True),
            ("result.continuous_eval.json", False), ("result.export.json", False))
 
 
+def check_name(workdir: str) -> None:
+  """Raises ConfigError for a path TensorFlow's file system cannot take: one that is not
+  UTF-8 (Python holds its bytes as surrogates; TF failed in `as_bytes` with a traceback)."""
+  try:
+    workdir.encode("utf-8")
+  except UnicodeEncodeError:
+    raise errors.ConfigError(
+        f"`--workdir`={workdir!r} is not valid UTF-8, which TensorFlow's file system needs; "
+        "name a directory whose path is UTF-8") from None
+
+
 def check_writable(workdir: str) -> None:
   """Raises ConfigError unless `workdir` can hold a run (creates it)."""
   if workdir.startswith("gs://"):
