@@ -363,8 +363,8 @@ class WithStringLookup(example_tasks.NoMetrics):
     (FieldTypo, errors.DataError, r"^FieldTypo.per_example_loss reads the field 'label', which "
      r"the training batch lacks; its fields: x, y$"),
     (BatchedByTheSource, errors.DataError, r"^the model rejects the batch's shape: Expected "
-     r"shape \(None, 12\), but input has incompatible shape \(16, None, 12\) \(a tf.data source "
-     "must yield single examples"),
+     r"shape \(None, 12\), but input has incompatible shape \(16, None, 12\) \(each field must have the shape of the model's input plus a "
+     "leading batch axis; a tf.data source must yield single examples"),
     (NoTrainingArgument, errors.TaskError,
      r"per_example_loss cannot be called as \(model, batch, training=...\)"),
     (TupleDataset, errors.DataError, "tf.data source elements are tuple; expected dicts"),

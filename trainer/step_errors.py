@@ -46,7 +46,8 @@ def explained(workdir: str, training: bool):
     rejected = _INCOMPATIBLE_INPUT.search(str(e))
     if rejected:  # Keras' input check, at trace time.
       raise errors.DataError(
-          f"the model rejects the batch's shape: {rejected.group(0).strip()} (a tf.data source "
+          f"the model rejects the batch's shape: {rejected.group(0).strip()} (each field must "
+          "have the shape of the model's input plus a leading batch axis; a tf.data source "
           "must yield single examples, which microstep batches: one batched already gets a "
           "second batch axis)") from None
     if "only supports singleton tf.Variables" not in str(e):  # (TF's words for a variable
