@@ -214,6 +214,16 @@ def test_a_workdir_path_that_is_not_utf8_is_one_line_and_creates_nothing(tmp_pat
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["sweep[lr=0.1]", "run?", "a*b", "back\\slash"])
+def test_a_workdir_path_with_a_glob_character_is_one_line_and_creates_nothing(tmp_path, name):
+  """TensorFlow finds checkpoints by glob: in `sweep[lr=0.1]` a run saw none of its own and
+  restarted from update 0; `run?` restored a sibling `runA`'s checkpoint (a probe, 2026-12-07)."""
+  with pytest.raises(errors.ConfigError, match=r"^`--workdir`='.*' holds .*, which TensorFlow "
+                     "reads as a glob pattern when it looks for checkpoints"):
+    run.run(helpers.tiny_config(), os.path.join(str(tmp_path), name))
+  assert not os.listdir(tmp_path)
+
+
 def test_a_second_evaluator_is_told_that_an_evaluator_holds_the_workdir(tmp_path):
   """Evaluators of one mode share a lock; the refusal said "a live run", which read as a
   trainer beside which evaluators are documented to run (a probe, 2026-12-07)."""

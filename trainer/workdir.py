@@ -88,13 +88,25 @@ _LAYOUT = (("checkpoints", True), ("export", True), ("summaries", True),
 
 def check_name(workdir: str) -> None:
   """Raises ConfigError for a path TensorFlow's file system cannot take: one that is not
-  UTF-8 (Python holds its bytes as surrogates; TF failed in `as_bytes` with a traceback)."""
+  UTF-8 (Python holds its bytes as surrogates; TF failed in `as_bytes` with a traceback), or
+  one with a glob character. TensorFlow finds checkpoint files by glob (its CheckpointManager,
+  `tf.train.latest_checkpoint`), so in `sweep[lr=0.1]` a run saw none of its own checkpoints and
+  restarted from update 0, and in `run?` it restored a sibling `runA`'s (a probe, 2026-12-07)."""
   try:
     workdir.encode("utf-8")
   except UnicodeEncodeError:
     raise errors.ConfigError(
         f"`--workdir`={workdir!r} is not valid UTF-8, which TensorFlow's file system needs; "
         "name a directory whose path is UTF-8") from None
+  found = sorted(set(workdir) & set(_GLOB_CHARACTERS))
+  if found:
+    raise errors.ConfigError(
+        f"`--workdir`={workdir!r} holds {' '.join(found)}, which TensorFlow reads as a glob "
+        "pattern when it looks for checkpoints (a run would not find its own, or would take "
+        f"another directory's); name it without any of {' '.join(_GLOB_CHARACTERS)}")
+
+
+_GLOB_CHARACTERS = "*?[]\\"  # (A backslash escapes in TF's glob.)
 
 
 def check_writable(workdir: str) -> None:
