@@ -167,6 +167,33 @@ def test_keep_checkpoints_still_holds_after_the_state_file_is_rebuilt(trained, t
     assert sorted(int(p.name[5:-6]) for p in (workdir / "checkpoints").glob("ckpt-*.index")) == kept
 
 
+@pytest.mark.parametrize("how", ["moved", "copied", "absolute_state_moved"])
+def test_a_workdir_moved_or_copied_after_its_state_file_was_rebuilt_resumes_from_itself(
+    trained, tmp_path, how):
+  """The rebuilt state file held absolute paths: moved, the workdir failed with TF's NotFoundError
+  on every rerun; copied, the copy resumed from the original's files and pruned them (a probe,
+  2026-12-07). A state file with absolute paths (an earlier version, a tool) is rewritten."""
+  original = _copy(trained, tmp_path)
+  directory = str(original / "checkpoints")
+  if how.startswith("absolute"):
+    paths = [f"{directory}/ckpt-{n}" for n in (2, 4, 6)]
+    tf.compat.v1.train.update_checkpoint_state(directory, paths[-1], paths)
+  else:
+    (original / "checkpoints" / "checkpoint").unlink()
+    run.run(_config(), str(original))  # Finished: it rebuilds the state file, saves nothing.
+  reference = {int(p.name[5:-6]) for p in (original / "checkpoints").glob("ckpt-*.index")}
+  moved = tmp_path / "elsewhere"
+  (shutil.copytree if how == "copied" else shutil.move)(str(original), str(moved))
+  result = run.run(_config(train_steps=10, keep_checkpoints=3), str(moved))
+  assert result["global_step"] == 10
+  state = (moved / "checkpoints" / "checkpoint").read_text()
+  assert str(tmp_path) not in state, state  # Bare names, read relative to the directory.
+  if how == "copied":  # The original is untouched and still resumes.
+    assert {int(p.name[5:-6]) for p in (original / "checkpoints").glob("ckpt-*.index")} == (
+        reference)
+    assert run.run(_config(train_steps=8), str(original))["global_step"] == 8
+
+
 def test_damaged_copies_are_all_kept(trained, tmp_path):
   workdir = _copy(trained, tmp_path)
   aside = workdir / "checkpoints" / "damaged"

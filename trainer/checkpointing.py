@@ -24,6 +24,8 @@ import time
 
 from absl import logging
 import tensorflow as tf
+# The public `update_checkpoint_state` writes absolute paths only.
+from tensorflow.python.checkpoint import checkpoint_management  # pylint: disable=g-direct-tensorflow-import
 
 from trainer import errors
 
@@ -366,18 +368,22 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
       for path in tf.io.gfile.glob(prefix + ".*"):
         tf.io.gfile.rename(path, os.path.join(aside, name + path[len(prefix):]))
   intact = list(reversed(intact_newest_first))  # Oldest first, as the state file lists them.
+  names = [os.path.basename(p) for p in intact]
   state = _state_file(directory)
-  listed = [] if state is None else [os.path.basename(p) for p in state.all_model_checkpoint_paths]
-  if damaged or state is None or os.path.basename(state.model_checkpoint_path) != (
-      os.path.basename(intact[-1])) or listed != [os.path.basename(p) for p in intact]:
-    logging.warning("rewrote %s/checkpoint to list %s", directory,
-                    ", ".join(os.path.basename(p) for p in intact))
+  listed = [] if state is None else list(state.all_model_checkpoint_paths)
+  if (damaged or state is None or state.model_checkpoint_path != os.path.join(directory, names[-1])
+      or listed != [os.path.join(directory, name) for name in names]):
+    logging.warning("rewrote %s/checkpoint to list %s", directory, ", ".join(names))
     # With their times, and an older last-preserved time: without them TensorFlow's
     # CheckpointManager keeps the listed checkpoints forever and leaves them out of its own
     # list, so `keep_checkpoints` stopped working and every later resume rewrote the file.
     stamps = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for p in intact]
-    tf.compat.v1.train.update_checkpoint_state(
-        directory, intact[-1], all_model_checkpoint_paths=intact,
+    # Bare names, as the manager writes them (TF reads them relative to the directory). With
+    # absolute paths a workdir moved later named its old place: a traceback (NotFoundError), or
+    # a copy that resumed from, and pruned, the original's checkpoints (a probe, 2026-12-07).
+    # Only the listed paths are compared above, so such a file is rewritten too.
+    checkpoint_management.update_checkpoint_state_internal(
+        directory, names[-1], all_model_checkpoint_paths=names, save_relative_paths=True,
         all_model_checkpoint_timestamps=stamps, last_preserved_timestamp=min(stamps) - 1.0)
 
 
