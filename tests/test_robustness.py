@@ -302,6 +302,35 @@ def _crash_worker(tmp_path, phase, *overrides):
       cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=260, check=False)
 
 
+def _run_with_file_size_limit(workdir, limit_bytes, *overrides):
+  """The CLI under a real `ulimit -f` (RLIMIT_FSIZE): a write past it fails with EFBIG."""
+  import resource  # pylint: disable=g-import-not-at-top
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+  return subprocess.run(
+      [sys.executable, "-m", "trainer.main", f"--config={helpers.REPO}/{RECIPE}",
+       f"--workdir={workdir}"] + [f"--config.{o}" for o in DETERMINISTIC + overrides],
+      cwd=helpers.REPO, env=env, capture_output=True, text=True, timeout=240, check=False,
+      preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, limit_bytes)))
+
+
+def test_a_file_over_a_size_limit_has_the_storage_exit_not_empty_data(tmp_path):
+  """TensorFlow raises EFBIG as OutOfRangeError: a checkpoint past `ulimit -f` read as "the
+  training data yields no batch" (exit 2), and an export's was a traceback (a probe,
+  2026-12-07). The checkpoint's data file is 3.6 MB; 1 MB lets the small files through."""
+  done = _run_with_file_size_limit(tmp_path, 1_000_000, "train_steps=4")
+  assert done.returncode == exit_codes.CHECKPOINT_IO_EXIT_CODE, done.stderr[-2000:]
+  line = _error_line(done)
+  assert line.startswith(f"cannot write a checkpoint to {tmp_path}/checkpoints (OutOfRangeError:")
+  assert "File too large); a limit on file size (`ulimit -f`" in line, line
+  assert not list((tmp_path / "checkpoints").glob("ckpt-*"))  # Its scratch files removed.
+  trained = helpers.run_cli(tmp_path, RECIPE, "train_steps=2", *DETERMINISTIC)
+  assert trained.returncode == 0, trained.stderr[-2000:]
+  done = _run_with_file_size_limit(tmp_path, 1_000_000, "mode=export")
+  assert done.returncode == exit_codes.CHECKPOINT_IO_EXIT_CODE, done.stderr[-2000:]
+  assert "File too large); a limit on file size" in _error_line(done)
+  assert not list((tmp_path / "export").glob("*partial*"))
+
+
 def test_a_full_disk_during_a_save_has_its_own_exit_code(tmp_path):
   done = _crash_worker(tmp_path, "disk_full:4", "train_steps=8")
   assert done.returncode == exit_codes.CHECKPOINT_IO_EXIT_CODE, done.stderr[-2000:]

@@ -33,8 +33,10 @@ from trainer import errors
 # What a write to a full, read-only or forbidden directory raises (TF's file system or Python's).
 # Not FailedPrecondition: TF raises it for a tf.data iterator that cannot be saved (a stateful
 # op in the pipeline), which is no storage problem.
+# OutOfRange: TF's word for EFBIG, a file over a size limit (a probe, 2026-12-07: a save past
+# `ulimit -f` read as "the training data yields no batch"); in a write it means nothing else.
 STORAGE_ERRORS = (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedError,
-                  tf.errors.UnknownError, OSError)
+                  tf.errors.UnknownError, tf.errors.OutOfRangeError, OSError)
 
 
 class _ManagerWithDataState(tf.train.CheckpointManager):
@@ -175,8 +177,9 @@ def _numbered(directory: str) -> list:
 
 # A write that failed for want of room or write access, by text (TF errors) or errno (Python):
 # not a tensor allocation (ResourceExhausted "OOM when allocating"), which is no storage problem.
-_FULL_OR_READ_ONLY = ("No space left on device", "Disk quota exceeded", "Read-only file system")
-_FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+_FULL_OR_READ_ONLY = ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                      "File too large")
+_FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
 def storage_hint(error: BaseException) -> str:
@@ -185,6 +188,8 @@ def storage_hint(error: BaseException) -> str:
   # (Before permissions: TF raises a read-only mount's EROFS as PermissionDeniedError.)
   if "Read-only file system" in text or getattr(error, "errno", None) == errno.EROFS:
     return "read-only file system?"
+  if "File too large" in text or getattr(error, "errno", None) == errno.EFBIG:
+    return "a limit on file size (`ulimit -f`, FAT32's 4 GiB, a quota)?"
   if isinstance(error, tf.errors.PermissionDeniedError) or "Permission denied" in text or (
       "Operation not permitted" in text):
     return "no write permission?"

@@ -23,9 +23,9 @@ def explained(workdir: str, training: bool):
   """Re-raises the step errors named in the module docstring as one-line errors."""
   try:
     yield
-  except tf.errors.OutOfRangeError:
-    if not training:
-      raise
+  except tf.errors.OutOfRangeError as e:
+    if not training or checkpointing.storage_write_failure(e, workdir):
+      raise  # (A write past a file-size limit is an OutOfRangeError too: EFBIG.)
     raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
         "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
         "every example), on this worker at least (its shard)") from None
