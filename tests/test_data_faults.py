@@ -164,6 +164,24 @@ def test_a_python_error_in_a_tf_data_pipeline_is_its_own_line(tmp_path):
     _train(FromSource(_python_loader(fail_at=7)), tmp_path)
 
 
+def test_a_python_error_in_a_generator_source_is_an_input_error(tmp_path):
+  """`Dataset.from_generator` names its PyFunc node and the iterator only as `[[...]]`: the line
+  blamed the model or the loss and named no checkpoint (a probe, 2026-12-07)."""
+  arrays = example_tasks._arrays(200, 1)  # pylint: disable=protected-access
+
+  def examples():
+    for i in range(200):
+      if i == FAULT_AT:
+        raise ValueError(f"corrupt record {i}")
+      yield {"x": arrays["x"][i], "y": arrays["y"][i]}
+  signature = {"x": tf.TensorSpec([12], tf.float32), "y": tf.TensorSpec([], tf.int64)}
+  source = lambda: tf.data.Dataset.from_generator(examples, output_signature=signature)
+  with pytest.raises(errors.DataError, match=(
+      r"^reading the input data failed \(ValueError: corrupt record 40\)\. The latest checkpoint "
+      r"is \S+ckpt-2: fix the data and rerun to resume$")):
+    _train(FromSource(source), tmp_path)
+
+
 def _augmented():
   """A seeded shuffle and an unseeded random augmentation (a stateful op)."""
   arrays = example_tasks._arrays(200, 1)  # pylint: disable=protected-access

@@ -138,9 +138,13 @@ def _rejected_batch(message: str) -> str:
 
 # An error raised while the input pipeline produced a batch: a node of the iterator, or a
 # transformation of the tf.data source named in TF's message.
-_INPUT_NODE = re.compile(r"\{\{node (?:\S*/)?IteratorGetNext\w*\}\}|Iterator::")
+# (A Python error in `Dataset.from_generator` names its PyFunc node, then the iterator's as
+# `[[while/body/_1/IteratorGetNext]]`: it read as a batch the model rejects; a probe, 2026-12-07.)
+_INPUT_NODE = re.compile(r"\{\{node (?:\S*/)?IteratorGetNext\w*\}\}|Iterator::"
+                         r"|\[\[(?:\S*/)?IteratorGetNext\w*\]\]")
 _IN_TF_DATA_FUNCTION = re.compile(
     r"^Error in user-defined function passed to \S+ transformation with iterator: \S+: ")
+_PYTHON_EXCEPTION = re.compile(r"[A-Z]\w*(?:Error|Exception): ")
 _INPUT_HINTS = {tf.errors.DataLossError: "a damaged file?", tf.errors.NotFoundError:
                 "a missing file?", tf.errors.PermissionDeniedError: "no read permission?"}
 
@@ -151,7 +155,7 @@ def _unreadable_input(error, workdir: str) -> str:
   (UnknownError around its traceback): its cause, without TF's stack, and where to resume."""
   cause = " ".join(_said(error.message or str(error)).split())
   cause = _IN_TF_DATA_FUNCTION.sub("", cause)
-  if not isinstance(error, tf.errors.UnknownError):  # (Unknown: the Python exception's line.)
+  if not _PYTHON_EXCEPTION.match(cause):  # (A Python exception's own line names its type.)
     cause = f"{type(error).__name__}: {cause}"
   cause = errors.cut_middle(cause, 200, head=80)
   hint = _INPUT_HINTS.get(type(error))
