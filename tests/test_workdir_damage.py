@@ -111,8 +111,30 @@ def test_starts_an_operator_may_not_mean_are_warned(trained, tmp_path, caplog):
   shutil.rmtree(workdir / "checkpoints")
   with caplog.at_level("WARNING"):
     assert run.run(_config(train_steps=2), str(workdir))["global_step"] == 2
-  assert "though result.json hold(s) an earlier run's results: training starts again from " \
-         "update 0" in caplog.text
+  assert "though result.json and summaries/train hold(s) an earlier run's results: training " \
+         "starts again from update 0" in caplog.text
+
+
+def test_checkpoints_on_a_disk_not_mounted_are_not_a_silent_restart(trained, tmp_path, caplog):
+  """`checkpoints` a link to another disk: with the disk not mounted (an empty mount point) a
+  run mid-way (no result.json yet) restarted from update 0 without a word; with the mount point
+  gone, it trained, then failed its first save as "deleted or moved" (a probe, 2026-12-07)."""
+  workdir = _copy(trained, tmp_path)
+  (workdir / "result.json").unlink()
+  shutil.move(str(workdir / "checkpoints"), str(tmp_path / "other_disk"))
+  (tmp_path / "mount_point").mkdir()
+  (workdir / "checkpoints").symlink_to(tmp_path / "mount_point")
+  with caplog.at_level("WARNING"):
+    assert run.run(_config(train_steps=2), str(workdir))["global_step"] == 2
+  assert (f"no checkpoint in {workdir}/checkpoints (a link to {tmp_path}/mount_point: is its "
+          "disk mounted?), though summaries/train hold(s) an earlier run's results: training "
+          "starts again from update 0") in caplog.text
+  (workdir / "checkpoints").unlink()
+  (workdir / "checkpoints").symlink_to(tmp_path / "absent")
+  with pytest.raises(errors.ConfigError, match=(
+      r"^`--workdir`='.*': checkpoints is a symbolic link to '.*absent', which does not exist "
+      r"\(a disk not mounted\?\); mount it, or remove the link to start over$")):
+    run.run(_config(train_steps=2), str(workdir))
 
 
 def test_rerunning_a_finished_train_and_eval_keeps_its_evaluation(trained, tmp_path):

@@ -129,6 +129,10 @@ def check_writable(workdir: str) -> None:
     raise errors.ConfigError(f"`--workdir`={workdir!r} is not writable: {e.strerror}") from None
   for name, directory in _LAYOUT:
     path = os.path.join(workdir, name)
+    if os.path.islink(path) and not os.path.exists(path):  # Its first save failed as "gone".
+      raise errors.ConfigError(
+          f"`--workdir`={workdir!r}: {name} is a symbolic link to {os.readlink(path)!r}, which "
+          "does not exist (a disk not mounted?); mount it, or remove the link to start over")
     if os.path.exists(path) and os.path.isdir(path) != directory:
       kind, wanted = ("a file", "a directory") if directory else ("a directory", "a file")
       raise errors.ConfigError(f"`--workdir`={workdir!r} holds {kind} named {name!r} where the "
@@ -278,9 +282,15 @@ def note_training_start(workdir: str, restored, step: int, train_steps: int) -> 
   if restored is None:
     earlier = [name for name in ("result.json", "export")
                if os.path.exists(os.path.join(workdir, name))]
+    events = os.path.join(workdir, "summaries", "train")
+    if tf.io.gfile.glob(os.path.join(events, "events.out.tfevents.*")):  # (A checkpoint dir
+      earlier.append("summaries/train")  # emptied, or a disk not mounted, was silent: a probe.)
+    directory = checkpointing.checkpoint_dir(workdir)
     if earlier:
-      logging.warning("no checkpoint in %s, though %s hold(s) an earlier run's results: training "
-                      "starts again from update 0", checkpointing.checkpoint_dir(workdir),
+      link = (f" (a link to {os.path.realpath(directory)}: is its disk mounted?)"
+              if os.path.islink(directory) else "")
+      logging.warning("no checkpoint in %s%s, though %s hold(s) an earlier run's results: "
+                      "training starts again from update 0", directory, link,
                       " and ".join(earlier))
   elif step > train_steps:
     logging.warning("the checkpoint is at update %d, past `train_steps`=%d: nothing to train "
