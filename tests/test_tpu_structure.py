@@ -82,7 +82,7 @@ def test_per_example_statistics_in_the_update_trace_inside_tpu_replicate(every, 
   assert len(outputs) == 5
   statistics, gathered = outputs[3], outputs[4]
   assert statistics.shape == [len(update_statistics.SCALARS) - 1]
-  assert gathered.shape == [16, 2]  # 8 examples on each of the 2 replicas, gathered.
+  assert gathered.shape == [16, 3]  # 8 examples on each of the 2 replicas, gathered.
   assert cpu_tpu.replicated_write_ops(function.graph)[1] == []
 
 

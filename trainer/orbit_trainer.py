@@ -207,9 +207,10 @@ class Trainer(orbit.StandardTrainer):
     if recording is None:
       return grads, scalars, None
     context = dict(active=self.statistics.active(self.global_step), rec=recording,
-                   output_grads=output_grads, loss_scale=scale, batch=batch, losses=loss)
+                   output_grads=output_grads, loss_scale=scale, batch=batch, losses=loss,
+                   weights=weight)
     sums, context["terms"] = self.statistics.local_sums(
-        context["active"], recording, output_grads, scale, batch, loss,
+        context["active"], recording, output_grads, scale, batch, loss, weight,
         terms_sum_is_gradient=self._gradients_from_statistics)
     if self._gradients_from_statistics:  # Σ_i g_i of the terms IS the gradient.
       batch_sums = context["terms"].batch_sums
@@ -225,8 +226,8 @@ class Trainer(orbit.StandardTrainer):
     """The update: last micro-batch + buffers, one all-reduce, apply or skip (replica context).
 
     Returns (reduced scalar sums, gradient norm, applied) and, with per-example statistics on,
-    (statistics scalars, gathered [B, 2] norms and cosines): tensors only, identical on every
-    replica.
+    (statistics scalars, gathered [B, 3] norms, cosines, weight-not-0 flags): tensors only,
+    identical on every replica.
     """
     if self._local_sums_compiled is not None:
       (grads, scalars), context = self._local_sums_compiled(batch), None
@@ -278,9 +279,7 @@ class Trainer(orbit.StandardTrainer):
       data_grads, data_norm = self.statistics.data_gradient(reduced)
       statistics = self.statistics.statistics(reduced.scalars[len(self.metric_names):],
                                               data_norm, reduced.scalars[1])
-      norms_and_cosines = self.statistics.norms_and_cosines(
-          context["active"], data_grads, context["terms"], context["rec"],
-          context["output_grads"], context["loss_scale"], context["batch"], context["losses"])
+      norms_and_cosines = self.statistics.norms_and_cosines(grads=data_grads, **context)
       gathered = tf.distribute.get_replica_context().all_gather(norms_and_cosines, axis=0)
     applied = update.apply_or_skip(
         self.optimizer, *self.reached.select(reduced.grads, self.model.trainable_variables),

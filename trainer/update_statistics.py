@@ -27,11 +27,11 @@ How, all traced:
                                            the update's ONE packed all-reduce; after it, dots of
                                            the last micro-batch's examples with G (one
                                            replica and k = 1: with the norms, as G is then
-                                           this batch's own sum); one all_gather of [b, 2]
-                                           (norms, cosines)
+                                           this batch's own sum); one all_gather of [b, 3]
+                                           (norms, cosines, weight not 0)
     the train step (cross-replica)         the summaries, under tf.cond(statistics update)
 
-Added communication: 2V+3 floats in the all-reduce, one all_gather of 2b floats per update.
+Added communication: 2V+3 floats in the all-reduce, one all_gather of 3b floats per update.
 With n > 1, the work on other updates is the recorded forward (the same arithmetic) and the
 gathered zeros; the norms run under `tf.cond` only on statistics updates.
 """
@@ -173,10 +173,17 @@ class UpdateStatistics:
                                    example_scale=scale, batch_size=tf.shape(losses)[0],
                                    self_dots=self_dots)
 
-  def _sums(self, terms):
-    return per_example.local_sums(terms.sq_norms, terms.mean_grad_sq_norm)
+  def _sums(self, terms, weights):
+    """The [2V+3] sums; an example of weight 0 is no example of the update (its loss counts
+    nowhere, its g_i is 0): it leaves the count and this small batch's mean gradient. It was
+    counted, which diluted mean_norm, mean_cosine, trace and gns (a probe, 2026-12-07)."""
+    counted = _counted(weights)
+    rows = tf.cast(tf.size(counted), tf.float32)
+    # |sum_i g_i / rows|^2 -> |sum_i g_i / counted|^2 (0 when nothing counts: the sum is 0).
+    small = terms.mean_grad_sq_norm * tf.square(rows / tf.maximum(tf.reduce_sum(counted), 1.0))
+    return per_example.local_sums(terms.sq_norms, small, counted=counted)
 
-  def local_sums(self, active, rec, output_grads, loss_scale, batch, losses, *,
+  def local_sums(self, active, rec, output_grads, loss_scale, batch, losses, weights, *,
                  terms_sum_is_gradient=False):
     """[2V+3] sums of this replica's micro-batch on a statistics update, else zeros.
 
@@ -189,25 +196,28 @@ class UpdateStatistics:
       self_dots = (self._own_batch_is_update and terms_sum_is_gradient
                    and not self.recorder.general_indices)
       terms = self._terms(rec, output_grads, loss_scale, batch, losses, self_dots=self_dots)
-      return self._sums(terms), terms
+      return self._sums(terms, weights), terms
     return tf.cond(active, lambda: self._sums(self._terms(rec, output_grads, loss_scale, batch,
-                                                          losses)),
+                                                          losses), weights),
                    lambda: tf.zeros([self.num_sums])), None
 
-  def norms_and_cosines(self, active, grads, terms, rec, output_grads, loss_scale, batch, losses):
-    """[b, 2] norms and cosines to `grads` (the update's G) of this replica's last micro-batch."""
+  def norms_and_cosines(self, active, grads, terms, rec, output_grads, loss_scale, batch, losses,
+                        weights):
+    """[b, 3] norms, cosines to `grads` (the update's G) and whether the example counts (weight
+    not 0), of this replica's last micro-batch."""
+    counted = _counted(weights)
     def compute(found):
       norms = tf.sqrt(tf.reduce_sum(found.sq_norms, axis=1))
       if found.self_dots is not None:  # G is a positive multiple of this batch's own sum.
-        return tf.stack([norms, per_example.cosines(found.self_dots, norms,
-                                                    tf.norm(found.packed_sums))], 1)
-      dots = found.dots(grads)
-      return tf.stack([norms, per_example.cosines(dots, norms, tf.linalg.global_norm(grads))], 1)
+        cosines = per_example.cosines(found.self_dots, norms, tf.norm(found.packed_sums))
+      else:
+        cosines = per_example.cosines(found.dots(grads), norms, tf.linalg.global_norm(grads))
+      return tf.stack([norms, cosines, counted], 1)
     if terms is not None:
       return compute(terms)
     return tf.cond(active, lambda: compute(self._terms(rec, output_grads, loss_scale, batch,
                                                        losses)),
-                   lambda: tf.zeros([tf.shape(losses)[0], 2]))
+                   lambda: tf.zeros([tf.shape(losses)[0], 3]))
 
   def data_gradient(self, reduced):
     """(G, |G|): the update's normalised gradient before clipping, less the gradient of the
@@ -246,12 +256,20 @@ class UpdateStatistics:
     """TensorBoard summaries of one update, when `active`."""
     def write():
       named = dict(zip([n for n in SCALARS if n != "mean_cosine"], tf.unstack(scalars)))
-      named["mean_cosine"] = tf.reduce_mean(gathered[:, 1])
+      counted = gathered[:, 2]  # Examples of weight 0 are left out (a cosine to 0 is none).
+      named["mean_cosine"] = (tf.reduce_sum(gathered[:, 1] * counted)
+                              / tf.maximum(tf.reduce_sum(counted), 1.0))
+      kept = tf.boolean_mask(gathered[:, :2], counted > 0.0)
       # An absolute name scope ("/" at the end) keeps the tf.cond's scope out of the tags.
       with tf.summary.record_if(True), tf.name_scope("per_example/"):
         for name in SCALARS:
           tf.summary.scalar(name, named[name], step=step)
-        tf.summary.histogram("norms", gathered[:, 0], step=step)
-        tf.summary.histogram("cosines", gathered[:, 1], step=step)
+        tf.summary.histogram("norms", kept[:, 0], step=step)
+        tf.summary.histogram("cosines", kept[:, 1], step=step)
       return tf.constant(True)
     tf.cond(active, write, lambda: tf.constant(False))
+
+
+def _counted(weights):
+  """[b] float32: 1 for an example that counts (weight not 0), else 0."""
+  return tf.cast(tf.not_equal(tf.reshape(weights, [-1]), 0.0), tf.float32)

@@ -58,23 +58,26 @@ def cosines(dots, norms, grad_norm, eps=1e-30):
 
 
 @general.no_autograph
-def local_sums(var_sq_norms, small_grad_sq_norm):
+def local_sums(var_sq_norms, small_grad_sq_norm, counted=None):
   """This replica's SUM-reducible statistics: a float32 vector [2V + 3].
 
   Layout: sum_i |g_iv|^2 (V), sum_i |g_iv| (V), sum_i |g_i|, b, |G_small|^2, where
   `var_sq_norms` is [b, V] and `small_grad_sq_norm` the squared norm of this small batch's mean
-  gradient (for the noise scale). Add vectors of several small batches (replicas, micro-batches)
-  by summing them; any context.
+  gradient (for the noise scale). `counted` ([b] of 1 and 0, default all 1) says which rows are
+  examples: b counts those (rows of 0 must have g_i = 0, e.g. examples of weight 0). Add vectors
+  of several small batches (replicas, micro-batches) by summing them; any context.
   """
   var_sq_norms = tf.cast(var_sq_norms, tf.float32)
   return _local_sums(var_sq_norms, tf.sqrt(var_sq_norms),
                      tf.sqrt(tf.reduce_sum(var_sq_norms, axis=1, keepdims=True)),
-                     tf.cast(small_grad_sq_norm, tf.float32))
+                     tf.cast(small_grad_sq_norm, tf.float32), counted)
 
 
-def _local_sums(var_sq_norms, var_norms, norms, small_grad_sq_norm):
+def _local_sums(var_sq_norms, var_norms, norms, small_grad_sq_norm, counted=None):
   """`local_sums` from the [b, V], [b, V] and [b, 1] per-example values already at hand."""
-  per_example = tf.concat([var_sq_norms, var_norms, norms, tf.ones_like(norms)], axis=1)
+  counted = tf.ones_like(norms) if counted is None else tf.reshape(
+      tf.cast(counted, tf.float32), [-1, 1])
+  per_example = tf.concat([var_sq_norms, var_norms, norms, counted], axis=1)
   return tf.concat([tf.reduce_sum(per_example, axis=0),
                     tf.reshape(small_grad_sq_norm, [1])], axis=0)
 
