@@ -7,7 +7,9 @@ silently turned the resume guard off; a second damaged copy of a checkpoint repl
 in `damaged/`; a lock file holding odd bytes crashed the run. In-process through `run.run`.
 """
 import json
+import os
 import shutil
+import time
 
 import keras
 import numpy as np
@@ -178,12 +180,19 @@ def test_an_unreadable_config_json_refuses_the_resume_unless_unchecked(trained, 
   assert not list(workdir.glob("config.json.partial*"))
 
 
-def test_keep_checkpoints_still_holds_after_the_state_file_is_rebuilt(trained, tmp_path):
+@pytest.mark.parametrize("clock", ["same", "files_from_the_future"])
+def test_keep_checkpoints_still_holds_after_the_state_file_is_rebuilt(trained, tmp_path, clock):
   """A rebuilt state file listed the checkpoints without their times: TensorFlow's manager then
   kept them forever, so checkpoints piled up past `keep_checkpoints` on every later resume (a
-  probe, 2026-12-06: 7 with keep 3)."""
+  probe, 2026-12-06: 7 with keep 3). Files stamped in the future (a copy from a machine whose
+  clock ran ahead) did the same: TF clamps such times to now, which equals its last-preserved
+  time, so it kept them all (a probe, 2026-12-07: 6 with keep 3)."""
   workdir = _copy(trained, tmp_path)
   (workdir / "checkpoints" / "checkpoint").unlink()  # Rebuilt from the intact ckpt-2, -4, -6.
+  if clock == "files_from_the_future":
+    ahead = time.time() + 3600.0
+    for path in (workdir / "checkpoints").glob("ckpt-*"):
+      os.utime(path, (ahead, ahead))
   for train_steps, kept in ((10, [6, 8, 10]), (14, [10, 12, 14])):
     run.run(_config(train_steps=train_steps, keep_checkpoints=3), str(workdir))
     assert sorted(int(p.name[5:-6]) for p in (workdir / "checkpoints").glob("ckpt-*.index")) == kept

@@ -382,7 +382,11 @@ def _repair(directory: str, damaged: list, intact_newest_first: list) -> None:
     # With their times, and an older last-preserved time: without them TensorFlow's
     # CheckpointManager keeps the listed checkpoints forever and leaves them out of its own
     # list, so `keep_checkpoints` stopped working and every later resume rewrote the file.
-    stamps = [tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9 for p in intact]
+    # Not later than now: TensorFlow clamps a future time to now, equal to the last-preserved
+    # time it clamps alike, and keeps such a checkpoint forever (files copied from a machine
+    # whose clock ran ahead: 6 kept with keep 3, a probe, 2026-12-07).
+    latest = time.time() - 1.0
+    stamps = [min(tf.io.gfile.stat(p + ".index").mtime_nsec / 1e9, latest) for p in intact]
     # Bare names, as the manager writes them (TF reads them relative to the directory). With
     # absolute paths a workdir moved later named its old place: a traceback (NotFoundError), or
     # a copy that resumed from, and pruned, the original's checkpoints (a probe, 2026-12-07).
