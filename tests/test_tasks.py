@@ -5,6 +5,7 @@ import path. CLI runs go through `helpers.run_cli` (a subprocess under `timeout 
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -269,6 +270,22 @@ def test_tf_data_resume_with_another_replica_count_skips_with_a_warning(tmp_path
   assert second.returncode == 0, second.stderr[-2000:]
   assert "was saved for (workers, replicas, batch) = [1, 1, 32], not [1, 2, 16]" in second.stderr
   assert "skipping the 2 micro-batches" in second.stderr
+
+
+def test_tf_data_iterator_of_another_update_is_not_restored(tmp_path):
+  """data_state/worker_0/ckpt-4 holding the iterator saved at update 2 (a backup mixed by hand)
+  was restored silently: the resumed run trained on batches 3-4 again (a probe, 2026-12-07)."""
+  extra = ("task=example_tasks:Streamed", "mode=train", "export_at_end=False", "steps_per_loop=2",
+           "checkpoint_every=2", "keep_checkpoints=3")
+  first = helpers.run_cli(tmp_path, "configs/fashion_mnist.py:smoke", "train_steps=4", *extra)
+  assert first.returncode == 0, first.stderr[-2000:]
+  state = tmp_path / "data_state" / "worker_0"
+  for older in state.glob("ckpt-2.*"):
+    shutil.copyfile(older, state / older.name.replace("ckpt-2", "ckpt-4"))
+  second = helpers.run_cli(tmp_path, "configs/fashion_mnist.py:smoke", "train_steps=6", *extra)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "was saved at update 2, not 4" in second.stderr, second.stderr[-3000:]
+  assert "skipping the 4 micro-batches" in second.stderr
 
 
 class _TagSums(example_tasks.NoMetrics):

@@ -42,9 +42,9 @@ STORAGE_ERRORS = (tf.errors.ResourceExhaustedError, tf.errors.PermissionDeniedEr
 class _ManagerWithDataState(tf.train.CheckpointManager):
   """A CheckpointManager that saves a worker's iterator checkpoint after each main save."""
 
-  def __init__(self, *args, data_manager=None, **kwargs):
+  def __init__(self, *args, data_manager=None, data_update=None, **kwargs):
     super().__init__(*args, **kwargs)
-    self._data_manager = data_manager
+    self._data_manager, self._data_update = data_manager, data_update
     self.before_save = lambda: None  # E.g. the workdir lock's `check_held` (trainer.run).
 
   def save(self, checkpoint_number=None, check_interval=True, options=None):
@@ -53,7 +53,9 @@ class _ManagerWithDataState(tf.train.CheckpointManager):
       path = super().save(checkpoint_number=checkpoint_number, check_interval=check_interval,
                           options=options)
       if path and self._data_manager is not None:
-        self._data_manager.save(checkpoint_number=int(path.rsplit("-", 1)[1]), options=options)
+        number = int(path.rsplit("-", 1)[1])
+        self._data_update.assign(number)
+        self._data_manager.save(checkpoint_number=number, options=options)
     except (*STORAGE_ERRORS, tf.errors.NotFoundError) as e:
       if not tf.io.gfile.isdir(self.directory):  # Deleted or moved while the run wrote to it.
         raise CheckpointWriteError(
@@ -91,10 +93,14 @@ def data_state_dir(workdir: str, worker_id: int) -> str:
   return os.path.join(workdir, "data_state", f"worker_{worker_id}")
 
 
-def _data_checkpoint(data_iterator, layout) -> tf.train.Checkpoint:
-  """A worker's input state: the iterator, and the batch layout it was made for."""
-  return tf.train.Checkpoint(iterator=data_iterator,
-                             layout=tf.Variable(layout, dtype=tf.int64, trainable=False))
+def _data_checkpoint(data_iterator, layout, update=None) -> tf.train.Checkpoint:
+  """A worker's input state: the iterator, the batch layout it was made for and (when saving)
+  the update it was saved at."""
+  items = dict(iterator=data_iterator, layout=tf.Variable(layout, dtype=tf.int64,
+                                                          trainable=False))
+  if update is not None:
+    items["update"] = update
+  return tf.train.Checkpoint(**items)
 
 
 def create_manager(checkpoint, workdir: str, *, is_chief: bool, worker_id: int, step_counter,
@@ -108,15 +114,19 @@ def create_manager(checkpoint, workdir: str, *, is_chief: bool, worker_id: int, 
                                                                   f"tmp_worker_{worker_id}")
   if not is_chief and tf.io.gfile.exists(own_dir):
     tf.io.gfile.rmtree(own_dir)  # Non-chief copies are scratch: always restore from the chief's.
-  data_manager = None
+  data_manager = data_update = None
   if data_iterator is not None:
+    data_update = tf.Variable(-1, dtype=tf.int64, trainable=False)
     data_manager = tf.train.CheckpointManager(
-        _data_checkpoint(data_iterator, list(data_layout)), data_state_dir(workdir, worker_id),
-        max_to_keep=config.keep_checkpoints + 1)
+        _data_checkpoint(data_iterator, list(data_layout), data_update),
+        data_state_dir(workdir, worker_id), max_to_keep=config.keep_checkpoints + 1)
   return _ManagerWithDataState(
       checkpoint, own_dir, max_to_keep=config.keep_checkpoints if is_chief else 1,
       step_counter=step_counter, checkpoint_interval=config.checkpoint_every,
-      data_manager=data_manager)
+      data_manager=data_manager, data_update=data_update)
+
+
+_UPDATE_KEY = "update/.ATTRIBUTES/VARIABLE_VALUE"
 
 
 def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int,
@@ -128,8 +138,14 @@ def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int,
   if not tf.io.gfile.exists(path + ".index"):
     return False
   try:
-    saved = [int(v) for v in tf.train.load_checkpoint(path).get_tensor(
-        "layout/.ATTRIBUTES/VARIABLE_VALUE")]
+    reader = tf.train.load_checkpoint(path)
+    saved = [int(v) for v in reader.get_tensor("layout/.ATTRIBUTES/VARIABLE_VALUE")]
+    # Saved since 2026-12-07: a file of another update (a backup mixed by hand) replayed or
+    # skipped batches silently.
+    if reader.has_tensor(_UPDATE_KEY) and int(reader.get_tensor(_UPDATE_KEY)) != step:
+      logging.warning("the input iterator in %s was saved at update %d, not %d: skipping the "
+                      "consumed batches instead", path, int(reader.get_tensor(_UPDATE_KEY)), step)
+      return False
     if saved != list(layout):
       logging.warning("the input iterator of update %d was saved for (workers, replicas, batch) "
                       "= %s, not %s: skipping the consumed batches instead", step, saved,
