@@ -184,6 +184,28 @@ def test_a_tf_data_field_of_unknown_rank_trains_and_evaluates_with_a_warning(tmp
   assert "the data function 'labelled' yields field(s) ['y'] of unknown rank" in caplog.text
 
 
+class FeaturesOfUnknownWidth(example_tasks.NoMetrics):
+  """The model meets x as [B, None] (a boolean mask, a summed VarLen field): its first kernel's
+  gradient traces as [None, 16]. Under Mirrored with k = 1 the update's packed all-reduce
+  unpacked by static shapes: `TypeError: unsupported operand type(s) for *: 'NoneType' and
+  'int'`, a traceback (a probe, 2026-12-07)."""
+
+  def per_example_loss(self, model, batch, training):
+    x = tf.boolean_mask(batch["x"], tf.ones([12], tf.bool), axis=1)
+    return base_task.LossOutput(loss=_xent(model, dict(batch, x=x), training))
+
+
+def test_features_of_unknown_width_train_alike_on_one_and_two_replicas(tmp_path):
+  checkpoint_weights = {}
+  for name, overrides in (("default", {}), ("mirrored", {"strategy": "mirrored",
+                                                         "cpu_replicas": 2})):
+    result = _train(FeaturesOfUnknownWidth, tmp_path / name, **overrides)
+    assert result["global_step"] == 2
+    checkpoint_weights[name] = helpers.checkpoint_weights(tmp_path / name)[1]
+  for key, value in checkpoint_weights["default"].items():
+    np.testing.assert_allclose(checkpoint_weights["mirrored"][key], value, rtol=0, atol=1e-6)
+
+
 class FitStyleArrays(example_tasks.NoMetrics):
   def train_data(self):
     arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access

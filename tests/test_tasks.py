@@ -257,6 +257,7 @@ def test_tf_data_task_resumes_bitwise_after_kill_9(tmp_path, strategy, crash, ho
   resumed = helpers.run_cli(killed, "configs/fashion_mnist.py:smoke", *extra)
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   assert how in resumed.stderr, resumed.stderr[-3000:]
+  assert "could not be found in the restored object" not in resumed.stderr  # Its `update`.
   helpers.assert_same_weights(tmp_path / "full", killed)
 
 

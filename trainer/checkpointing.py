@@ -151,7 +151,9 @@ def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int,
                       "= %s, not %s: skipping the consumed batches instead", step, saved,
                       list(layout))
       return False
-    _data_checkpoint(data_iterator, list(layout)).restore(path).assert_existing_objects_matched()
+    # (A scratch `update` takes the saved one: unmatched, TF warned of it at exit.)
+    _data_checkpoint(data_iterator, list(layout), tf.Variable(-1, dtype=tf.int64)).restore(
+        path).assert_existing_objects_matched()
   except (*_DAMAGE, tf.errors.OpError, AssertionError, ValueError) as e:
     logging.warning("the input iterator of update %d does not read back (%s): skipping the "
                     "consumed batches instead", step, errors.describe_error(e))
