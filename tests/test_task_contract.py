@@ -206,6 +206,22 @@ def test_features_of_unknown_width_train_alike_on_one_and_two_replicas(tmp_path)
     np.testing.assert_allclose(checkpoint_weights["mirrored"][key], value, rtol=0, atol=1e-6)
 
 
+class LabelsOfAnotherShape(example_tasks.NoMetrics):
+  """One-hot labels of 3 classes against 2 logits: Keras' ValueError and a 40-line traceback,
+  exit 1 (a probe, 2026-12-07)."""
+
+  def per_example_loss(self, model, batch, training):
+    logits = model(batch["x"], training=training)
+    labels = tf.one_hot(batch["y"], 3)
+    return base_task.LossOutput(loss=keras.losses.categorical_crossentropy(labels, logits))
+
+
+class TypeErrorInTheLoss(example_tasks.NoMetrics):
+  def per_example_loss(self, model, batch, training):
+    logits = model(batch["x"], training=training)
+    return base_task.LossOutput(loss=logits[:, 0] * sum(batch))  # Sums the field names.
+
+
 class FitStyleArrays(example_tasks.NoMetrics):
   def train_data(self):
     arrays = example_tasks._arrays(64, 1)  # pylint: disable=protected-access
@@ -396,6 +412,11 @@ class WithStringLookup(example_tasks.NoMetrics):
      r"yields examples of different shapes \(component 0\. First element had shape \[1[12]\]"),
     (GeneratorFunction, errors.DataError, r"the data function 'examples' returned a generator; "
      r"it must return a tf.data.Dataset: wrap it, e.g. `lambda: tf.data.Dataset.from_generator"),
+    (LabelsOfAnotherShape, errors.TaskError, r"^the task's per_example_loss fails "
+     r"\(test_task_contract.py:\d+\): ValueError: Arguments `target` and `output` must have the "
+     r"same shape. Received: target.shape=\(16, 3\), output.shape=\(16, 2\)$"),
+    (TypeErrorInTheLoss, errors.TaskError, r"^the task's per_example_loss fails "
+     r"\(test_task_contract.py:\d+\): TypeError: unsupported operand type"),
     (MixedDtypeRecords, errors.DataError, r"^train_data\(\)\[\d+\] field 'target' holds "
      r"float64 values where record 0 holds int64; give the field one dtype in every record"),
 ])

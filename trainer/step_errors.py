@@ -34,6 +34,7 @@ def explained(workdir: str, training: bool):
   except TypeError as e:
     mixed = _HALF_MEETS_FLOAT32.search(str(e))
     if not mixed:
+      _raise_from_user_code(e)
       raise
     where = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', str(e))
     at = f" ({os.path.basename(where[-1][0])}:{where[-1][1]} in {where[-1][2]})" if where else ""
@@ -51,7 +52,8 @@ def explained(workdir: str, training: bool):
           "must yield single examples, which microstep batches: one batched already gets a "
           "second batch axis)") from None
     if "only supports singleton tf.Variables" not in str(e):  # (TF's words for a variable
-      raise                                                    # made anew in every trace.)
+      _raise_from_user_code(e)                                 # made anew in every trace.)
+      raise
     raise errors.TaskError(
         "the task creates variables inside the training or evaluation step, anew in every "
         "trace (e.g. a Keras layer made inside per_example_loss, or `keras.random.normal"
@@ -67,6 +69,39 @@ def explained(workdir: str, training: bool):
     raise preemption.PeerLostError(
         f"a multi-worker peer stopped answering ({type(e).__name__}); restart all workers to "
         f"resume from the last checkpoint") from e
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+_MICROSTEP = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_frame(text: str):
+  """(file, line, function) of the deepest frame in a traced error's "in user code" listing that
+  is the task's own (not microstep's, not an installed package's), or None."""
+  for path, line, function in reversed(_FRAME.findall(text)):
+    path_abs = os.path.abspath(path)
+    if not path_abs.startswith(_MICROSTEP + os.sep) and not re.search(
+        r"[/\\](site|dist)-packages[/\\]", path_abs):
+      return path, line, function
+  return None
+
+
+def _raise_from_user_code(error: Exception) -> None:
+  """A ValueError or TypeError raised while tracing the task's own code (e.g. a Keras loss given
+  labels of another shape than the logits: a 40-line traceback, exit 1, found by a probe on
+  2026-12-07) becomes one TaskError line with the task's file and line. Returns when the error
+  is microstep's own or no frame of the task is listed: the caller re-raises it unchanged."""
+  text = str(error)
+  frame = _user_frame(text)
+  if isinstance(error, errors.MicrostepError) or frame is None:
+    return
+  lines = [line.strip() for line in text.splitlines() if line.strip()]
+  cause = lines[-1] if lines else type(error).__name__
+  if not cause.startswith(type(error).__name__):
+    cause = f"{type(error).__name__}: {cause}"
+  path, line, function = frame
+  raise errors.TaskError(f"the task's {function} fails ({os.path.basename(path)}:{line}): "
+                         f"{cause}") from None
 
 
 # TF's error for a bfloat16 or float16 tensor met by a float32 one (or the reverse) in one op: a
