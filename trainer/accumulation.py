@@ -19,10 +19,15 @@ _SYNC = dict(trainable=False, synchronization=tf.VariableSynchronization.ON_READ
 
 
 def dense_float32(gradient, variable):
-  """A dense float32 gradient (IndexedSlices densified, None as zeros)."""
+  """A dense float32 gradient (IndexedSlices densified, None as zeros) of the variable's static
+  shape. A model fed a [B, None] tensor (a boolean mask, a summed VarLen field) traces its first
+  kernel's gradient as [None, n]: the update's packed all-reduce, which unpacks by static
+  shapes, failed with a TypeError traceback under Mirrored with k = 1 (a probe, 2026-12-07)."""
   if gradient is None:
     return tf.zeros(variable.shape, tf.float32)
-  return tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+  dense = tf.cast(tf.convert_to_tensor(gradient), tf.float32)
+  dense.set_shape(variable.shape)  # A fact, not a check: no op is added.
+  return dense
 
 
 def zeros_for_none(gradients, tensors) -> list:

@@ -93,14 +93,11 @@ def data_state_dir(workdir: str, worker_id: int) -> str:
   return os.path.join(workdir, "data_state", f"worker_{worker_id}")
 
 
-def _data_checkpoint(data_iterator, layout, update=None) -> tf.train.Checkpoint:
-  """A worker's input state: the iterator, the batch layout it was made for and (when saving)
-  the update it was saved at."""
-  items = dict(iterator=data_iterator, layout=tf.Variable(layout, dtype=tf.int64,
-                                                          trainable=False))
-  if update is not None:
-    items["update"] = update
-  return tf.train.Checkpoint(**items)
+def _data_checkpoint(data_iterator, layout, update) -> tf.train.Checkpoint:
+  """A worker's input state: the iterator, the batch layout it was made for and the update it
+  was saved at (an int64 variable)."""
+  return tf.train.Checkpoint(iterator=data_iterator, update=update,
+                             layout=tf.Variable(layout, dtype=tf.int64, trainable=False))
 
 
 def create_manager(checkpoint, workdir: str, *, is_chief: bool, worker_id: int, step_counter,
@@ -142,9 +139,10 @@ def restore_data_state(data_iterator, workdir: str, worker_id: int, step: int,
     saved = [int(v) for v in reader.get_tensor("layout/.ATTRIBUTES/VARIABLE_VALUE")]
     # Saved since 2026-12-07: a file of another update (a backup mixed by hand) replayed or
     # skipped batches silently.
-    if reader.has_tensor(_UPDATE_KEY) and int(reader.get_tensor(_UPDATE_KEY)) != step:
+    saved_at = int(reader.get_tensor(_UPDATE_KEY)) if reader.has_tensor(_UPDATE_KEY) else step
+    if saved_at != step:
       logging.warning("the input iterator in %s was saved at update %d, not %d: skipping the "
-                      "consumed batches instead", path, int(reader.get_tensor(_UPDATE_KEY)), step)
+                      "consumed batches instead", path, saved_at, step)
       return False
     if saved != list(layout):
       logging.warning("the input iterator of update %d was saved for (workers, replicas, batch) "

@@ -36,7 +36,7 @@ def explained(workdir: str, training: bool):
     if not mixed:
       _raise_from_user_code(e)
       raise
-    where = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', str(e))
+    where = _FRAME.findall(str(e))
     at = f" ({os.path.basename(where[-1][0])}:{where[-1][1]} in {where[-1][2]})" if where else ""
     raise errors.TaskError(
         f"{mixed.group(0)}{at}: under a mixed precision policy Keras layers compute and return "

@@ -37,12 +37,8 @@ def pack(tensors) -> tf.Tensor:
 
 
 def unpack(flat: tf.Tensor, shapes) -> list:
-  """Inverse of `pack` for the given shapes: static (`TensorShape`, fully known) or [rank]
-  int32 tensors (`tf.shape`)."""
-  if all(isinstance(s, tf.TensorShape) and s.is_fully_defined() for s in shapes):
-    sizes = [int(np.prod(s)) for s in shapes]
-  else:
-    sizes = tf.stack([tf.reduce_prod(s) for s in shapes])
+  """Inverse of `pack` for the given static shapes."""
+  sizes = [int(np.prod(s)) for s in shapes]
   return [tf.reshape(part, s) for part, s in zip(tf.split(flat, sizes), shapes)]
 
 
@@ -53,14 +49,7 @@ def all_reduce_packed(tensors) -> list:
   if ctx is None or ctx.num_replicas_in_sync == 1:
     return tensors
   reduced = ctx.all_reduce(tf.distribute.ReduceOp.SUM, pack(tensors))
-  # A gradient's static shape may be partly unknown (a model fed a [B, None] tensor builds a
-  # [4, 2] kernel whose gradient traces as [None, 2]): its dynamic shape then, and the static
-  # part back (it was a TypeError traceback under Mirrored with k = 1; a probe, 2026-12-07).
-  shapes = [t.shape if t.shape.is_fully_defined() else tf.shape(t) for t in tensors]
-  out = unpack(reduced, shapes)
-  for part, t in zip(out, tensors):
-    part.set_shape(t.shape)
-  return out
+  return unpack(reduced, [t.shape for t in tensors])
 
 
 @dataclasses.dataclass
