@@ -188,6 +188,16 @@ class BadLoss(NoMetrics):
     return base_task.LossOutput(loss=_xent(model, batch, training)[0][:, None])
 
 
+class OneHotOfAnotherWidth(NoMetrics):
+  """One-hot labels of 3 classes against the model's 2 logits: Keras' ValueError, raised in this
+  file while the step is traced."""
+
+  def per_example_loss(self, model, batch, training):
+    logits = model(batch["x"], training=training)
+    labels = tf.one_hot(batch["y"], 3)
+    return base_task.LossOutput(loss=keras.losses.categorical_crossentropy(labels, logits))
+
+
 class LabelsOutOfRange(NoMetrics):
   """Labels 5 for a two-class model in every seventh example: TF's kernel rejects the batch."""
 

@@ -139,8 +139,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(REPO, "tests")
 
 
-def run_cli(workdir, config_arg, *overrides, cwd=None, timeout=300, extra_env=None):
-  """`python -m trainer.main --config=CONFIG --workdir=W --config.O ...` in a subprocess.
+def run_cli(workdir, config_arg, *overrides, cwd=None, timeout=300, extra_env=None, flags=()):
+  """`python -m trainer.main --config=CONFIG --workdir=W --config.O ... FLAGS` in a subprocess.
 
   `config_arg` is relative to the repository unless absolute. The repository and tests/ are on
   PYTHONPATH, so tasks in tests/ (example_tasks) import by path. Returns the CompletedProcess.
@@ -149,7 +149,7 @@ def run_cli(workdir, config_arg, *overrides, cwd=None, timeout=300, extra_env=No
   import sys  # pylint: disable=g-import-not-at-top
   config = config_arg if os.path.isabs(config_arg) else os.path.join(REPO, config_arg)
   cmd = ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "trainer.main",
-         f"--config={config}", f"--workdir={workdir}"] + [f"--config.{o}" for o in overrides]
+         f"--config={config}", f"--workdir={workdir}"] + [f"--config.{o}" for o in overrides] + list(flags)
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
              PYTHONPATH=os.pathsep.join([REPO, TESTS, os.environ.get("PYTHONPATH", "")]))
   env.update(extra_env or {})

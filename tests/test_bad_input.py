@@ -189,6 +189,31 @@ def test_bad_input_table(trained_workdir, tmp_path, case, overrides, make_data, 
   tf.train.load_checkpoint(latest)  # Still readable.
 
 
+def test_a_bad_field_leaves_no_workdir_and_no_lock(tmp_path):
+  """Every table case that `validation.validate` rejects fails before the workdir is touched:
+  a mistyped override neither creates a new workdir nor leaves a lock in an existing one."""
+  rejected = 0
+  for case, overrides, make_data, message in CASES:
+    if make_data:
+      continue
+    config = helpers.tiny_config(**overrides)
+    try:
+      validation.validate(config)
+    except errors.ConfigError:
+      rejected += 1
+    else:
+      continue
+    fresh, existing = tmp_path / f"new_{rejected}", tmp_path / f"old_{rejected}"
+    existing.mkdir()
+    for workdir in (fresh, existing):
+      with pytest.raises(errors.ConfigError) as error:
+        run.run(config, str(workdir))
+      assert message in str(error.value), case
+    assert not fresh.exists(), case
+    assert not os.listdir(existing), (case, os.listdir(existing))
+  assert rejected >= 30, rejected  # The table's config cases, not a vacuous loop.
+
+
 def test_nan_inputs_refused():
   images = np.zeros((4, 28, 28), np.float32)
   images[1, 3, 3] = np.nan

@@ -5,6 +5,7 @@ import path. CLI runs go through `helpers.run_cli` (a subprocess under `timeout 
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -188,6 +189,25 @@ def test_task_errors_are_one_line_with_exit_2(tmp_path, task, code, message):
   last = out.stderr.strip().splitlines()[-1]
   assert last.startswith("microstep: error:") and message in last, last
   assert "Traceback" not in out.stderr
+
+
+def test_an_error_in_the_task_s_own_code_is_one_line_and_its_traceback_a_flag_away(tmp_path):
+  """Keras' ValueError inside the task's loss: one line naming the task's file and line, which
+  says that `--traceback` prints where it came from; with the flag, TensorFlow's listing of the
+  task's frames comes first (there was no way to see it, 2026-12-07)."""
+  args = ("configs/fashion_mnist.py:smoke", "task=example_tasks:OneHotOfAnotherWidth")
+  line = (r"^microstep: error: the task's per_example_loss fails \(example_tasks\.py:\d+\): "
+          r"ValueError: Arguments `target` and `output` must have the same shape\. Received: "
+          r"target\.shape=\(32, 3\), output\.shape=\(32, 2\)")
+  plain = helpers.run_cli(tmp_path / "plain", *args, timeout=120)
+  assert plain.returncode == 2, plain.stderr[-2000:]
+  assert re.match(line + r" \(--traceback prints where\)$", plain.stderr.strip().splitlines()[-1])
+  assert "Traceback" not in plain.stderr
+  shown = helpers.run_cli(tmp_path / "shown", *args, timeout=120, flags=["--traceback"])
+  assert shown.returncode == 2, shown.stderr[-2000:]
+  assert re.match(line + "$", shown.stderr.strip().splitlines()[-1]), shown.stderr[-2000:]
+  listing = shown.stderr[shown.stderr.index("Traceback (most recent call last)"):]
+  assert re.search(r'example_tasks\.py", line \d+, in per_example_loss', listing), listing[-3000:]
 
 
 @pytest.mark.parametrize("task,message", [

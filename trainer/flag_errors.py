@@ -10,9 +10,11 @@ import contextlib
 import importlib.util
 import re
 import sys
+import traceback
 
 from absl import flags
 
+from trainer import errors
 from trainer import exit_codes
 
 
@@ -26,6 +28,23 @@ def fail(message: str, code: int = exit_codes.BAD_INPUT_EXIT_CODE):
   """Prints one line and exits (the command line's only way to report an error)."""
   say(message)
   sys.exit(code)
+
+
+def failure_line(error: BaseException, show_traceback: bool, line=None) -> str:
+  """The one line (`line`, else the error's text) for a failure the run raised.
+
+  `show_traceback` (`--traceback`) first prints the error's Python traceback on stderr, with the
+  error it replaced (e.g. a TensorFlow error, or the task's own ValueError). Without it, an
+  error in the task's own code (a TaskError raised `from` that code's error) says how to see
+  where it came from.
+  """
+  if show_traceback:
+    error.__suppress_context__ = False  # `raise ... from None` hid the error it replaced.
+    traceback.print_exception(error, file=sys.stderr)
+  line = str(error) if line is None else line
+  if isinstance(error, errors.TaskError) and error.__cause__ is not None and not show_traceback:
+    return f"{line} (--traceback prints where)"
+  return line
 
 
 _HELP_FLAGS = frozenset({"help", "?", "helpshort", "helpfull", "helpxml"})

@@ -6,7 +6,7 @@ failure is one line on stderr, `microstep: error: ...`, with an exit code the la
 updates; 42 preempted (SIGTERM: checkpoint written, rerun to resume); 43 a multi-worker peer was
 lost; 74 storage: a checkpoint could not be written or read, or another workdir file (a
 TensorBoard summary, result.json) not written on a full or read-only disk; 130 interrupted
-(Ctrl-C: checkpoint written).
+(Ctrl-C: checkpoint written). `--traceback` prints a failure's Python traceback before its line.
 
 A config file outside the repository may name a task in a module beside it
 (`config.task = "my_task:MyTask"`): the config file's directory is importable, as is the
@@ -33,6 +33,9 @@ with shutdown.exit_on_stop():  # A stop during the imports: its one line and exi
   _CONFIG = config_flags.DEFINE_config_file("config", None,
                                             "Config file, e.g. configs/fashion_mnist.py")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, summaries and config.json go here.")
+  _TRACEBACK = flags.DEFINE_bool(
+      "traceback", False, "On a failure, print its Python traceback (and the error it replaced, "
+      "e.g. the task's own) before the one-line message.")
   flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -54,25 +57,27 @@ def main(argv):
   import tensorflow as tf
   from trainer import checkpointing, errors, preemption, run
   errors.drop_replica_reports()
-  failure = stop = None
+  failure = stop = line = None  # failure: (the error, its exit code)
   try:
     run.run(_CONFIG.value, _WORKDIR.value)
   except shutdown.StopRequested as e:  # Re-raised below, without the run's frames.
     stop = e.with_traceback(None)
     stop.__context__ = None
   except errors.MicrostepError as e:
-    failure = (str(e), exit_codes.BAD_INPUT_EXIT_CODE)
+    failure = (e, exit_codes.BAD_INPUT_EXIT_CODE)
   except FloatingPointError as e:
-    failure = (str(e), exit_codes.DIVERGED_EXIT_CODE)
+    failure = (e, exit_codes.DIVERGED_EXIT_CODE)
   except preemption.PeerLostError as e:
-    failure = (str(e), exit_codes.PEER_LOST_EXIT_CODE)
+    failure = (e, exit_codes.PEER_LOST_EXIT_CODE)
   except (checkpointing.CheckpointWriteError, checkpointing.CheckpointReadError) as e:
-    failure = (str(e), exit_codes.CHECKPOINT_IO_EXIT_CODE)
+    failure = (e, exit_codes.CHECKPOINT_IO_EXIT_CODE)
   except (tf.errors.OpError, OSError) as e:  # E.g. a TensorBoard summary on a full disk.
     message = checkpointing.storage_write_failure(e, _WORKDIR.value)
     if message is None:
       raise
-    failure = (message, exit_codes.CHECKPOINT_IO_EXIT_CODE)
+    failure, line = (e, exit_codes.CHECKPOINT_IO_EXIT_CODE), message
+  if failure:
+    line = flag_errors.failure_line(failure[0], _TRACEBACK.value, line)
   if stop:  # Its checkpoint is written: the process ends at once (`shutdown.exit_on_stop`).
     raise stop
   # The run's objects go now, while Python runs: what their destructors log (e.g. TensorFlow on
@@ -82,7 +87,7 @@ def main(argv):
   # interpreter shutdown they can never get it, and the finished process hung (a probe).
   gc.collect()
   if failure:
-    flag_errors.fail(*failure)
+    flag_errors.fail(line, failure[1])
 
 
 def run_cli() -> None:

@@ -266,6 +266,7 @@ def run(config, workdir: str, task=None) -> dict:
   workdir's (per worker); evaluators and exports, which only read checkpoints, take their own,
   so one can run beside a live trainer.
   """
+  validation.validate(config)  # A bad field leaves no trace: no workdir made, no lock taken.
   workdir_lib.check_name(workdir)
   if config.mode in ("eval", "export") and not tf.io.gfile.isdir(workdir):
     # Before the lock and the writability probe create it: a mistyped path stays absent.

@@ -89,8 +89,9 @@ def _user_frame(text: str):
 def _raise_from_user_code(error: Exception) -> None:
   """A ValueError or TypeError raised while tracing the task's own code (e.g. a Keras loss given
   labels of another shape than the logits: a 40-line traceback, exit 1, found by a probe on
-  2026-12-07) becomes one TaskError line with the task's file and line. Returns when the error
-  is microstep's own or no frame of the task is listed: the caller re-raises it unchanged."""
+  2026-12-07) becomes one TaskError line with the task's file and line, raised from the error
+  (the command line's `--traceback` prints it). Returns when the error is microstep's own or
+  no frame of the task is listed: the caller re-raises it unchanged."""
   text = str(error)
   frame = _user_frame(text)
   if isinstance(error, errors.MicrostepError) or frame is None:
@@ -101,7 +102,7 @@ def _raise_from_user_code(error: Exception) -> None:
     cause = f"{type(error).__name__}: {cause}"
   path, line, function = frame
   raise errors.TaskError(f"the task's {function} fails ({os.path.basename(path)}:{line}): "
-                         f"{cause}") from None
+                         f"{cause}") from error  # Its traceback: `--traceback`.
 
 
 # TF's error for a bfloat16 or float16 tensor met by a float32 one (or the reverse) in one op: a
