@@ -6,6 +6,7 @@ was not built yet failed deep inside Keras, tuple datasets and empty ones gave t
 `mixed_precision` did not reach a task's own layers. In-process through `run.run`; the command
 line turns these errors into one line with exit 2 (tests/test_tasks.py).
 """
+import dataclasses
 import logging
 
 import keras
@@ -70,6 +71,36 @@ class _Subclassed(keras.Model):
 class NotBuilt(example_tasks.NoMetrics):
   def build_model(self):
     return _Subclassed()  # No variables until its first call.
+
+
+class BuiltPrivateModel(example_tasks.NoMetrics):
+  """A subclassed model of a class named `_Subclassed`: Keras names it `__subclassed`, which
+  TensorFlow refuses as the root name scope of a traced call; `model.fit` trains it, and
+  microstep failed in its first step (a probe, 2026-12-07)."""
+
+  def build_model(self):
+    model = _Subclassed()
+    model(np.zeros([1, 12], np.float32))
+    return model
+
+
+@pytest.mark.parametrize("overrides", [
+    {"mode": "train_and_eval"},
+    {"accumulation.steps": 2, "per_example.every_steps": 1},
+    {"strategy": "mirrored", "cpu_replicas": 2, "xla": "on"}], ids=["eval_export", "k2_stats",
+                                                                   "mirrored_xla"])
+def test_a_model_whose_name_starts_with_an_underscore_trains(tmp_path, overrides):
+  config = _config(**dict({"eval_every": 2}, **overrides))
+  assert BuiltPrivateModel(config).build_model().name.startswith("_")
+  result = run.run(config, str(tmp_path), task=BuiltPrivateModel(config))
+  assert result["global_step"] == 2
+  if overrides.get("mode") != "train_and_eval":
+    return  # Keras itself cannot export it: refused before training, not after it.
+  config = _config(**{"eval_every": 2, "export_at_end": True})
+  with pytest.raises(errors.TaskError, match=r"^the model's name '__subclassed(_\d+)?' starts "
+                     r"with '_', which Keras cannot export .* or set `export_at_end`=False$"):
+    run.run(config, str(tmp_path / "exporting"), task=BuiltPrivateModel(config))
+  assert not (tmp_path / "exporting" / "checkpoints").exists()
 
 
 class TrainingOnlyBranch(keras.Model):
@@ -206,6 +237,65 @@ def test_features_of_unknown_width_train_alike_on_one_and_two_replicas(tmp_path)
     np.testing.assert_allclose(checkpoint_weights["mirrored"][key], value, rtol=0, atol=1e-6)
 
 
+class WeightFromTheModel(example_tasks.NoMetrics):
+  """A weight computed from the model's own output (a confidence)."""
+
+  def per_example_loss(self, model, batch, training):
+    logits = model(batch["x"], training=training)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits)
+    return base_task.LossOutput(loss=loss, weight=tf.sigmoid(logits[:, 0]) + 0.5)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"strategy": "mirrored", "cpu_replicas": 2,
+                                            "batch_size": 8, "accumulation.steps": 2}],
+                         ids=["default", "mirrored_k2"])
+def test_a_weight_computed_from_the_model_is_data_no_gradient_flows_through_it(tmp_path,
+                                                                              overrides):
+  """The update took the gradient through the weights in Σ w·loss but not in the Σ w it
+  divides by: 2.1 from Σ w·loss / Σ w either way (a probe, 2026-12-07). Weights are data, as
+  Keras' sample weights are: one SGD update equals sum(stop_gradient(w) * loss) / sum(w)."""
+  config = _config(**dict({"optimizer.name": "sgd", "optimizer.learning_rate": 0.5,
+                           "train_steps": 1, "steps_per_loop": 1}, **overrides))
+  task = WeightFromTheModel(config)
+  strategy, trainer = helpers.build(config, tmp_path, task)
+  initial, _ = helpers.snapshot(strategy, trainer)
+  trainer.train(tf.constant(1))
+  weights, _ = helpers.snapshot(strategy, trainer)
+  batch, = helpers.update_batches(config, 1, task)
+  model = task.build_model()
+  for variable, value in zip(model.trainable_variables, initial):
+    variable.assign(value)
+  with tf.GradientTape() as tape:
+    logits = model(batch["x"], training=True)
+    loss = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits)
+    weight = tf.stop_gradient(tf.sigmoid(logits[:, 0]) + 0.5)
+    mean = tf.reduce_sum(weight * loss) / tf.reduce_sum(weight)
+  grads = tape.gradient(mean, model.trainable_variables)
+  expected = [v.numpy() - 0.5 * g.numpy() for v, g in zip(model.trainable_variables, grads)]
+  assert helpers.max_abs_diff(weights, initial) > 1e-3
+  assert helpers.max_abs_diff(weights, expected) <= 1e-6
+
+
+class AllWeightsMinusOne(example_tasks.NoMetrics):
+  def per_example_loss(self, model, batch, training):
+    loss = _xent(model, batch, training)
+    return base_task.LossOutput(loss=loss, weight=-tf.ones_like(loss))
+
+
+def test_negative_weights_train_and_log_as_given(tmp_path):
+  """Every weight -1: the same update as +1 (Σ w·loss / Σ w), but the training log and
+  TensorBoard showed loss NaN, as for a loop without examples; evaluation takes negative
+  weights as given (a probe, 2026-12-07)."""
+  outputs, weights = [], []
+  for task_class in (example_tasks.NoMetrics, AllWeightsMinusOne):
+    config = _config(**{"steps_per_loop": 1})
+    strategy, trainer = helpers.build(config, tmp_path / task_class.__name__, task_class(config))
+    outputs.append(float(trainer.train(tf.constant(1))["loss"]))
+    weights.append(helpers.snapshot(strategy, trainer)[0])
+  assert np.isfinite(outputs[0]) and outputs[1] == pytest.approx(outputs[0], rel=1e-6), outputs
+  assert helpers.max_abs_diff(weights[0], weights[1]) <= 1e-6
+
+
 class LabelsOfAnotherShape(example_tasks.NoMetrics):
   """One-hot labels of 3 classes against 2 logits: Keras' ValueError and a 40-line traceback,
   exit 1 (a probe, 2026-12-07)."""
@@ -220,6 +310,15 @@ class TypeErrorInTheLoss(example_tasks.NoMetrics):
   def per_example_loss(self, model, batch, training):
     logits = model(batch["x"], training=training)
     return base_task.LossOutput(loss=logits[:, 0] * sum(batch))  # Sums the field names.
+
+
+class TypoInDataclassesReplace(example_tasks.NoMetrics):
+  """The TypeError is raised in the standard library's dataclasses.py; the line named that file
+  instead of this one (a probe, 2026-12-07)."""
+
+  def per_example_loss(self, model, batch, training):
+    out = base_task.LossOutput(loss=_xent(model, batch, training))
+    return dataclasses.replace(out, weights=tf.ones_like(out.loss))
 
 
 class FitStyleArrays(example_tasks.NoMetrics):
@@ -417,6 +516,8 @@ class WithStringLookup(example_tasks.NoMetrics):
      r"same shape. Received: target.shape=\(16, 3\), output.shape=\(16, 2\)$"),
     (TypeErrorInTheLoss, errors.TaskError, r"^the task's per_example_loss fails "
      r"\(test_task_contract.py:\d+\): TypeError: unsupported operand type"),
+    (TypoInDataclassesReplace, errors.TaskError, r"^the task's per_example_loss fails "
+     r"\(test_task_contract.py:\d+\): TypeError: .*unexpected keyword argument 'weights'"),
     (MixedDtypeRecords, errors.DataError, r"^train_data\(\)\[\d+\] field 'target' holds "
      r"float64 values where record 0 holds int64; give the field one dtype in every record"),
 ])

@@ -175,9 +175,9 @@ def test_trainer_train_takes_a_task_instance(tmp_path):
     ("example_tasks:Missing", 2, "module 'example_tasks' has no 'Missing'"),
     ("no_such_module:Task", 2, "cannot import 'no_such_module'"),
     ("nonsense", 2, "`task`='nonsense' unknown; allowed: classification, triplet"),
-    ("example_tasks:LabelsOutOfRange", 2, "TensorFlow rejected a batch at SparseSoftmaxCross"
-     "EntropyWithLogits/SparseSoftmaxCrossEntropyWithLogits: Received a label value of 5 which "
-     "is outside the valid range of [0, 2)."),
+    ("example_tasks:LabelsOutOfRange", 2, "TensorFlow rejected a batch at per_example_loss/"
+     "SparseSoftmaxCrossEntropyWithLogits/SparseSoftmaxCrossEntropyWithLogits: Received a label "
+     "value of 5 which is outside the valid range of [0, 2)."),
     ("example_tasks:MaskedLoss", 2, "MaskedLoss.per_example_loss: loss has another number of "
      "values than the batch has examples; expected one per example [B]"),
     ("example_tasks:IdsOutOfVocabulary", 2, "embedding_1/GatherV2: indices[1,0] = 51 is not in "

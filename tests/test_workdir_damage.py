@@ -375,6 +375,36 @@ def test_an_export_beside_another_of_the_same_update_keeps_one_complete_copy(
   assert sorted(p.name for p in exports.iterdir()) == ["6", "6.partial.1"]
 
 
+def _export_weights(path) -> dict:
+  reader = tf.train.load_checkpoint(str(path / "variables" / "variables"))
+  return {k: reader.get_tensor(k) for k in reader.get_variable_to_shape_map()
+          if k.startswith("variables/")}  # The model's weights, in the checkpoint's order.
+
+
+def test_an_export_of_another_run_at_the_same_update_is_replaced_and_set_aside(trained, tmp_path):
+  """The checkpoints deleted and the run trained again from 0 (other learning rate): the second
+  run found export/6 complete and kept it, a model of the first run, while its log and
+  result.json said it had exported its own (a probe, 2026-12-07)."""
+  workdir = _copy(trained, tmp_path)
+  first = run.run(_config(mode="export"), str(workdir))["export"]
+  old = _export_weights(workdir / "export" / "6")
+  shutil.rmtree(workdir / "checkpoints")
+  second = run.run(_config(**{"optimizer.learning_rate": 0.01, "export_at_end": True}),
+                   str(workdir))
+  assert second["export"] == first == str(workdir / "export" / "6")
+  new = _export_weights(workdir / "export" / "6")
+  _, trained_now = helpers.checkpoint_weights(workdir)
+  for exported, checkpointed in zip(sorted(new, key=lambda k: int(k.split("/")[1])),
+                                    sorted(trained_now)):
+    np.testing.assert_array_equal(new[exported], trained_now[checkpointed])  # This run's model.
+  assert any(not np.array_equal(new[k], old[k]) for k in new)
+  aside, = (workdir / "export").glob("6.replaced.*")  # Nothing is lost.
+  aside_weights = _export_weights(aside)
+  assert all(np.array_equal(aside_weights[k], old[k]) for k in old)
+  run.run(_config(mode="export"), str(workdir))  # The same weights again: kept, nothing moved.
+  assert len(list((workdir / "export").glob("6.replaced.*"))) == 1
+
+
 def test_a_checkpoint_deleted_while_an_evaluator_reads_it_is_not_damage(trained, tmp_path,
                                                                         monkeypatch):
   """Beside a live trainer keeping one checkpoint, `mode=eval` listed ckpt-6, the trainer deleted

@@ -81,7 +81,9 @@ class LossOutput:
   Attributes:
     loss: [B] per-example losses (any float dtype; summed in float32).
     weight: [B] per-example weights, or None for ones. 0 drops an example from the sums (its
-      loss must still be finite in training: 0 x NaN is NaN).
+      loss must still be finite in training: 0 x NaN is NaN). Weights are data: no gradient
+      flows through them, even when computed from the model (put a learned weighting in the
+      loss instead).
     metrics: name -> [B] per-example values, one entry per name in `Task.metric_names`.
   """
   loss: Any
@@ -232,7 +234,9 @@ def weighted_outputs(task, model, batch: dict, training: bool):
       raise errors.TaskError(f"{name}.per_example_loss: weight has shape {weight.shape}; "
                              "expected one weight per example [B] (flatten a [B, 1] column)")
     weight = _check_per_example(f"{name}.per_example_loss: weight", weight, valid)
-    weight = weight * valid
+    # Weights are data, as Keras' sample weights are: no gradient flows through them. (One
+    # computed from the model got it in Σ w·loss but not in the Σ w the update divides by.)
+    weight = tf.stop_gradient(weight * valid)
   if set(out.metrics) != set(task.metric_names):
     raise errors.TaskError(f"{name}.per_example_loss: metrics {sorted(out.metrics)} differ from "
                            f"{name}.metric_names {sorted(task.metric_names)}")

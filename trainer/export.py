@@ -19,14 +19,18 @@ its files): a `mode=export` beside a trainer
 exporting the same update writes its own (with one shared name each deleted the other's files:
 a NotFound traceback). Temporary directories of processes no longer alive on this host (killed
 while exporting) are removed. An export of the same update that is already in place and
-complete (`saved_model.pb`) is kept: it holds the same weights.
+complete (`saved_model.pb`) is kept when its variables equal the new one's (the other
+process's copy); if they differ, it is an earlier run's (one trained again from update 0) and
+is renamed `export/<update>.replaced.<time>.<pid>` before the new one takes its place.
 """
 import os
+import time
 from typing import Optional
 from unittest import mock
 
 from absl import logging
 import keras
+import numpy as np
 import tensorflow as tf
 
 from trainer import base_task
@@ -62,6 +66,37 @@ def _remove_stale_partials(final: str) -> None:
 
 def _complete(path: str) -> bool:
   return tf.io.gfile.exists(os.path.join(path, "saved_model.pb"))
+
+
+def check_exportable(model) -> None:
+  """Eager, host, before training: raises TaskError for a model that Keras cannot export, so that
+  a run that exports at its end fails at its start. A model named with a leading `_` (Keras
+  names a subclassed model after its class: `_Net` -> `__net`) fails `model.export`, in or out
+  of a name scope: TensorFlow refuses it as a root scope name."""
+  if model.name.startswith("_"):
+    raise errors.TaskError(
+        f"the model's name {model.name!r} starts with '_', which Keras cannot export (TensorFlow "
+        "refuses it as a root name scope; Keras names a subclassed model after its class); give "
+        "the model a name, e.g. super().__init__(name='my_net'), or set `export_at_end`=False")
+
+
+def _variable_values(export_dir: str) -> list:
+  """The values of a SavedModel's variables, sorted, without their names: the same model
+  exported twice lists its variables in another order (at the end of training, then by
+  `mode=export`). Eager, host; reads them all."""
+  reader = tf.train.load_checkpoint(os.path.join(export_dir, "variables", "variables"))
+  values = (np.asarray(reader.get_tensor(name))
+            for name in reader.get_variable_to_shape_map() if name.endswith("VARIABLE_VALUE"))
+  return sorted((str(v.dtype), v.shape, repr(v.tolist()) if v.dtype == object else v.tobytes())
+                for v in values)
+
+
+def _same_weights(export_a: str, export_b: str) -> bool:
+  """Whether two SavedModels hold the same variable values, bitwise."""
+  try:
+    return _variable_values(export_a) == _variable_values(export_b)
+  except tf.errors.OpError:  # Unreadable: not known to be the same.
+    return False
 
 
 def batch_spec(source, batch_size: int) -> dict:
@@ -154,9 +189,14 @@ def export_model(task, model, workdir: str, step: int, source=None, batch_size: 
         f"{checkpointing.storage_hint(e)} The checkpoints are intact: fix that and rerun with "
         "`mode=export`") from None
   try:
-    if _complete(final):  # Another process (or an earlier run) exported this update.
+    if _complete(final) and _same_weights(final, partial):  # Another process exported it.
       _remove(partial)
     else:
+      if _complete(final):  # Of another run at this update (one trained again from 0).
+        aside = f"{final}.replaced.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}"
+        tf.io.gfile.rename(final, aside)
+        logging.warning("%s held another model (an earlier run's); set it aside as %s",
+                        final, aside)
       _remove(final)  # (A file or an incomplete directory in its place.)
       tf.io.gfile.rename(partial, final)
   except (*checkpointing.STORAGE_ERRORS, tf.errors.OpError) as e:  # (Also a lost race.)

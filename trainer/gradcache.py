@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from trainer import accumulation
 from trainer import base_task
+from trainer import loss_call
 from trainer import replica_state
 from trainer import sources
 
@@ -97,7 +98,8 @@ class GradCache:
     seeded(self._states, self.seed, update, micro_step, replica, self.num_replicas,
            self.micro_steps)
     features = {k: v for k, v in batch.items() if k != sources.VALID_KEY}
-    return self.task.represent(self.model, features, training=True)
+    with loss_call.in_a_name_scope("represent"):
+      return self.task.represent(self.model, features, training=True)
 
   def accumulate(self, batches, buffers, update, loss_scale=None, reached=None):
     """Both passes over this replica's k micro-batches; adds ∇L's share into `buffers`.

@@ -1,7 +1,8 @@
 """A task's loss method, called while the step is traced (replica context), watched for two
 mistakes that TensorFlow reports badly or not at all: a field the batch lacks (a 60-line
 KeyError traceback) and trainable variables made outside the model (silently never trained).
-Used by `trainer.base_task.weighted_outputs`; Python only, creates no ops.
+Used by `trainer.base_task.weighted_outputs`; Python only, creates no ops (the call runs in a
+name scope named after the method).
 """
 import contextlib
 
@@ -27,6 +28,13 @@ def fields_named(task, method: str, features: dict, training: bool):
         f"lacks; its fields: {', '.join(sorted(features))}") from None
 
 
+def in_a_name_scope(method: str):
+  """A name scope for a task's traced call: a model of a class whose name starts with `_` (Keras
+  names it `__my_net`) cannot open the ROOT name scope of a traced graph ("not a valid root
+  scope name"), inside one it can, as under `model.fit` (a probe, 2026-12-07)."""
+  return tf.name_scope(method)
+
+
 WARNED_OUTSIDE = set()  # (task class, method) whose variables outside the model were logged.
 
 
@@ -46,7 +54,7 @@ def variables_outside_noted(task, model, method: str, call):
       created.append(str(kwargs.get("name") or "unnamed"))
     return next_creator(**kwargs)
   before = len(model.trainable_variables)
-  with tf.variable_creator_scope(note):
+  with tf.variable_creator_scope(note), in_a_name_scope(method):
     out = call()
   outside = len(created) - (len(model.trainable_variables) - before)
   key = (type(task), method)

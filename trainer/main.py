@@ -57,7 +57,7 @@ def main(argv):
   import tensorflow as tf
   from trainer import checkpointing, errors, preemption, run
   errors.drop_replica_reports()
-  failure = stop = line = None  # failure: (the error, its exit code)
+  failure = stop = line = None  # failure: (the error, its exit code), then the code
   try:
     run.run(_CONFIG.value, _WORKDIR.value)
   except shutdown.StopRequested as e:  # Re-raised below, without the run's frames.
@@ -76,8 +76,8 @@ def main(argv):
     if message is None:
       raise
     failure, line = (e, exit_codes.CHECKPOINT_IO_EXIT_CODE), message
-  if failure:
-    line = flag_errors.failure_line(failure[0], _TRACEBACK.value, line)
+  if failure:  # The line now; the error (its frames hold the run's objects) goes below.
+    line, failure = flag_errors.failure_line(failure[0], _TRACEBACK.value, line), failure[1]
   if stop:  # Its checkpoint is written: the process ends at once (`shutdown.exit_on_stop`).
     raise stop
   # The run's objects go now, while Python runs: what their destructors log (e.g. TensorFlow on
@@ -87,7 +87,7 @@ def main(argv):
   # interpreter shutdown they can never get it, and the finished process hung (a probe).
   gc.collect()
   if failure:
-    flag_errors.fail(line, failure[1])
+    flag_errors.fail(line, failure)
 
 
 def run_cli() -> None:

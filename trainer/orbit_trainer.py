@@ -342,7 +342,8 @@ class Trainer(orbit.StandardTrainer):
     weight = float(sums[1])
     # A loop whose updates were all skipped (or whose examples all weigh 0) has no mean loss:
     # NaN, not the 0.0 that read as a perfect loss in TensorBoard (a probe, 2026-12-06).
-    mean = lambda total: float(total) / weight if weight > 0 else float("nan")
+    # Negative weights count as given, as in the update and in evaluation.
+    mean = lambda total: float(total) / weight if weight != 0 else float("nan")
     steps_per_s = (step - start_step) / elapsed
     examples_per_s = steps_per_s * self.accumulation_steps * self.config.batch_size
     eta = max(self.config.train_steps - step, 0) / max(steps_per_s, 1e-9)

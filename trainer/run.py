@@ -179,6 +179,8 @@ def build(config, workdir, task=None):
     optimizer = optimizers.create_optimizer(config.optimizer, config.train_steps)
   base_task.check_contract(task, model)
   base_task.check_model_fits_run(task, model, strategy, config.mixed_precision)
+  if chief and (config.mode == "export" or (training and config.export_at_end)):
+    export.check_exportable(model)
   if eval_source is not None and config.mode in validation.EVALUATING_MODES:
     _check_eval_fields(task, model, train_source, eval_source, config.eval_batch_size)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,

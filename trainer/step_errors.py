@@ -10,6 +10,7 @@ from. Anything else passes through unchanged.
 import contextlib
 import os
 import re
+import sysconfig
 
 import tensorflow as tf
 
@@ -73,14 +74,19 @@ def explained(workdir: str, training: bool):
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 _MICROSTEP = os.path.dirname(os.path.abspath(__file__))
+# Not the task's own: microstep, installed packages, Python's standard library (a TypeError
+# raised inside `dataclasses.replace` named dataclasses.py; a probe, 2026-12-07).
+_NOT_THE_TASKS = tuple(os.path.realpath(p) + os.sep for p in {
+    _MICROSTEP, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]})
 
 
 def _user_frame(text: str):
   """(file, line, function) of the deepest frame in a traced error's "in user code" listing that
-  is the task's own (not microstep's, not an installed package's), or None."""
+  is the task's own (not microstep's, an installed package's, the standard library's, nor
+  `<frozen ...>`), or None."""
   for path, line, function in reversed(_FRAME.findall(text)):
-    path_abs = os.path.abspath(path)
-    if not path_abs.startswith(_MICROSTEP + os.sep) and not re.search(
+    path_abs = os.path.realpath(path)
+    if not path.startswith("<") and not path_abs.startswith(_NOT_THE_TASKS) and not re.search(
         r"[/\\](site|dist)-packages[/\\]", path_abs):
       return path, line, function
   return None
