@@ -389,6 +389,13 @@ def test_only_full_or_read_only_storage_counts_as_a_storage_failure(tmp_path):
       None, None, "OOM when allocating tensor with shape[1000000,1000000]")) is None
   assert failure(OSError(2, "No such file or directory")) is None
   assert failure(ValueError("No space left on device")) is None
+  # A file in the workdir that may not be written (`chattr +i`): a traceback, exit 1, until a
+  # probe (2026-12-07); a file elsewhere that may not be read (the data) is no storage failure.
+  assert failure(tf.errors.PermissionDeniedError(
+      None, None, f"{tmp_path}/config.json.partial.12; Operation not permitted")) is not None
+  assert failure(OSError(1, "Operation not permitted", f"{tmp_path}/result.json")) is not None
+  assert failure(OSError(13, "Permission denied", "/data/train.npz")) is None
+  assert failure(tf.errors.PermissionDeniedError(None, None, "/data/x; Permission denied")) is None
   # The one-line errors guess the cause from the error, not always "disk full?".
   hint = checkpointing.storage_hint
   assert hint(OSError(28, "No space left on device")) == "disk full?"

@@ -216,13 +216,22 @@ def storage_hint(error: BaseException) -> str:
 
 
 def storage_write_failure(error: BaseException, workdir: str):
-  """One line for a write to `workdir` that failed because its storage is full or read-only
-  (a TensorBoard summary, `result.json`, ...: checkpoints and exports have their own lines), or
-  None for any other error. Eager, host."""
+  """One line for a write to `workdir` that failed because its storage is full or read-only, or
+  a file in it may not be written (a TensorBoard summary, `result.json`, ...: checkpoints and
+  exports have their own lines), or None for any other error. Eager, host."""
   if not isinstance(error, (tf.errors.OpError, OSError)):
     return None
-  if not (getattr(error, "errno", None) in _FULL_OR_READ_ONLY_ERRNOS
-          or any(cause in str(error) for cause in _FULL_OR_READ_ONLY)):
+  number, text = getattr(error, "errno", None), str(error)
+  full = number in _FULL_OR_READ_ONLY_ERRNOS or any(c in text for c in _FULL_OR_READ_ONLY)
+  # A file the run may not write (`chattr +i`, a root-owned summary directory): only when the
+  # error names a path in the workdir (not, say, an unreadable data file). It was a traceback,
+  # exit 1 (a probe, 2026-12-07).
+  denied = (number in (errno.EACCES, errno.EPERM)
+            or isinstance(error, tf.errors.PermissionDeniedError)
+            or any(c in text for c in ("Permission denied", "Operation not permitted")))
+  named = [str(workdir), os.path.abspath(workdir)] if "://" not in workdir else [workdir]
+  in_workdir = any(p in text or p in str(getattr(error, "filename", "") or "") for p in named)
+  if not (full or (denied and in_workdir)):
     return None
   return (f"cannot write to `--workdir`={workdir} ({errors.describe_error(error)}); "
           f"{storage_hint(error)} The latest checkpoint is {latest_checkpoint(workdir) or 'none'}"
