@@ -224,6 +224,21 @@ def test_a_workdir_path_with_a_glob_character_is_one_line_and_creates_nothing(tm
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("workdir", ["s3://bucket/run", "file://{tmp}/run", "hdfs://nn/run"])
+def test_a_workdir_url_other_than_gs_is_one_line_and_creates_nothing(tmp_path, monkeypatch,
+                                                                    workdir):
+  """`s3://bucket/x` was TF's UnimplementedError traceback after a tree `s3:/bucket/x/.lock`
+  was made in the current directory; with `file://DIR` the lock went to `./file:/DIR` while
+  TensorFlow wrote into DIR, so a second run on DIR was not refused and both trained and saved
+  there at once (a probe, 2026-12-07)."""
+  monkeypatch.chdir(tmp_path)
+  workdir = workdir.format(tmp=tmp_path)
+  with pytest.raises(errors.ConfigError, match=r"^`--workdir`='[a-z0-9]+://.*' is a URL that "
+                     r"microstep does not take; allowed: a local path or gs://"):
+    run.run(helpers.tiny_config(), workdir)
+  assert not os.listdir(tmp_path)
+
+
 def test_a_second_evaluator_is_told_that_an_evaluator_holds_the_workdir(tmp_path):
   """Evaluators of one mode share a lock; the refusal said "a live run", which read as a
   trainer beside which evaluators are documented to run (a probe, 2026-12-07)."""

@@ -20,6 +20,7 @@ import datetime
 import fcntl
 import json
 import os
+import re
 import socket
 
 from absl import logging
@@ -91,13 +92,22 @@ def check_name(workdir: str) -> None:
   UTF-8 (Python holds its bytes as surrogates; TF failed in `as_bytes` with a traceback), or
   one with a glob character. TensorFlow finds checkpoint files by glob (its CheckpointManager,
   `tf.train.latest_checkpoint`), so in `sweep[lr=0.1]` a run saw none of its own checkpoints and
-  restarted from update 0, and in `run?` it restored a sibling `runA`'s (a probe, 2026-12-07)."""
+  restarted from update 0, and in `run?` it restored a sibling `runA`'s (a probe, 2026-12-07).
+  A URL other than gs:// (s3://, file://, hdfs://) is refused too: the workdir lock is a local
+  file, which went to ./s3:/... while TensorFlow wrote elsewhere or failed."""
   try:
     workdir.encode("utf-8")
   except UnicodeEncodeError:
     raise errors.ConfigError(
         f"`--workdir`={workdir!r} is not valid UTF-8, which TensorFlow's file system needs; "
         "name a directory whose path is UTF-8") from None
+  scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", workdir)
+  if scheme and scheme.group(1) != "gs":  # The lock (a local flock) would go to ./s3:/...
+    hint = (f"; for a local directory give its path: {workdir[len('file://'):]!r}"
+            if scheme.group(1) == "file" else "")
+    raise errors.ConfigError(
+        f"`--workdir`={workdir!r} is a URL that microstep does not take; allowed: a local path "
+        f"or gs://BUCKET/PATH{hint}")
   found = sorted(set(workdir) & set(_GLOB_CHARACTERS))
   if found:
     raise errors.ConfigError(
