@@ -239,6 +239,27 @@ def test_a_workdir_url_other_than_gs_is_one_line_and_creates_nothing(tmp_path, m
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("streams", ["stdout", "stdout_and_stderr"])
+def test_a_reader_of_the_output_that_goes_away_does_not_stop_the_run(tmp_path, streams):
+  """`... | head -1`: the next print raised BrokenPipeError in Orbit's progress line and killed
+  the run, exit 1, the updates since the last checkpoint lost (`2>&1 | head`: before the first
+  checkpoint; a probe, 2026-12-07). The run goes on to its end, output dropped."""
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+  with open(tmp_path / "stderr.txt", "w") as err:
+    proc = subprocess.Popen(
+        ["timeout", "-k", "5", "240", sys.executable, "-m", "trainer.main",
+         f"--config={helpers.REPO}/{RECIPE}", f"--workdir={tmp_path / 'w'}",
+         "--config.train_steps=20", "--config.steps_per_loop=2"],
+        cwd=helpers.REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if streams == "stdout_and_stderr" else err)
+    proc.stdout.readline()  # The reader takes one line and goes.
+    proc.stdout.close()
+    code = proc.wait(timeout=260)
+  assert code == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
+  assert json.loads((tmp_path / "w" / "result.json").read_text())["global_step"] == 20
+  assert "BrokenPipeError" not in (tmp_path / "stderr.txt").read_text()
+
+
 def test_a_second_evaluator_is_told_that_an_evaluator_holds_the_workdir(tmp_path):
   """Evaluators of one mode share a lock; the refusal said "a live run", which read as a
   trainer beside which evaluators are documented to run (a probe, 2026-12-07)."""

@@ -12,9 +12,11 @@ A config file outside the repository may name a task in a module beside it
 (`config.task = "my_task:MyTask"`): the config file's directory is importable, as is the
 working directory.
 """
+from trainer import closed_output
 from trainer import shutdown
 
 shutdown.install()  # First: a signal during the imports below is already a clean stop.
+closed_output.install()  # A reader of stdout or stderr that goes away does not stop the run.
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 with shutdown.exit_on_stop():  # A stop during the imports: its one line and exit code.
