@@ -117,6 +117,27 @@ def test_evaluations_fall_on_multiples_of_eval_every_after_a_resume(tmp_path):
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-8")
 
 
+def _evaluated_updates(workdir) -> list:
+  found = []
+  for path in sorted(glob.glob(str(workdir / "summaries" / "eval" / "events.out.tfevents.*"))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      if any(v.tag == "loss" for v in event.summary.value):
+        found.append(event.step)
+  return sorted(found)
+
+
+def test_an_evaluation_due_at_the_update_a_run_stopped_at_runs_on_resume(tmp_path):
+  """A SIGTERM in the loop that reaches update 400 (`eval_every`=400) wrote ckpt-400 and exited
+  42 before Orbit's evaluation; the rerun went straight on training, and the evaluation at 400
+  never happened (a probe, 2026-12-07). Here the first run stops at 4 without evaluating."""
+  from trainer import run  # pylint: disable=g-import-not-at-top
+  base = {"steps_per_loop": 2, "eval_every": 4, "checkpoint_every": 2}
+  run.run(helpers.tiny_config(train_steps=4, mode="train", **base), str(tmp_path))
+  assert _evaluated_updates(tmp_path) == []
+  run.run(helpers.tiny_config(train_steps=8, mode="train_and_eval", **base), str(tmp_path))
+  assert _evaluated_updates(tmp_path) == [4, 8]
+
+
 @pytest.mark.parametrize("override,message", [
     ("strategy=ring", "`strategy`='ring' unknown; allowed: default, one_device, mirrored"),
     ("batch_size=15", "`batch_size`=15 is not divisible by the 2 replicas"),

@@ -79,11 +79,15 @@ def _train_and_evaluate(controller, config, eval_steps: int) -> dict:
 
   Orbit's `train_and_evaluate` counts its interval from the step it starts at: after a resume
   at update 450, `eval_every`=300 evaluated at 750 and 1050 instead of 600 and 900. The first
-  stretch is trained up to the next multiple here, and Orbit's loop takes it from there.
+  stretch is trained up to the next multiple here, and Orbit's loop takes it from there. A run
+  resumed AT a multiple evaluates it first: the run before may have stopped before evaluating
+  (else that evaluation is repeated, on the same weights).
   """
   step, every, last = int(controller.global_step.numpy()), config.eval_every, config.train_steps
   if step >= last:  # Already trained: evaluate the final weights (e.g. a restart after a stop
     return controller.evaluate(steps=eval_steps)  # during the final evaluation).
+  if step and step % every == 0:  # Resumed at a multiple: a stop at this update (SIGTERM in the
+    controller.evaluate(steps=eval_steps)  # loop that reached it) came before its evaluation.
   if step % every:
     aligned = min(last, (step // every + 1) * every)
     controller.train(steps=aligned, checkpoint_at_completion=aligned == last)
