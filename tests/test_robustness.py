@@ -5,6 +5,7 @@ CLI runs go through `helpers.run_cli` or a Popen this test owns (ended by its PI
 """
 import json
 import os
+import pty
 import shutil
 import signal
 import subprocess
@@ -239,21 +240,31 @@ def test_a_workdir_url_other_than_gs_is_one_line_and_creates_nothing(tmp_path, m
   assert not os.listdir(tmp_path)
 
 
-@pytest.mark.parametrize("streams", ["stdout", "stdout_and_stderr"])
+@pytest.mark.parametrize("streams", ["stdout", "stdout_and_stderr", "terminal"])
 def test_a_reader_of_the_output_that_goes_away_does_not_stop_the_run(tmp_path, streams):
   """`... | head -1`: the next print raised BrokenPipeError in Orbit's progress line and killed
   the run, exit 1, the updates since the last checkpoint lost (`2>&1 | head`: before the first
-  checkpoint; a probe, 2026-12-07). The run goes on to its end, output dropped."""
+  checkpoint; a probe, 2026-12-07). A closed terminal (a pseudo-terminal whose other end is
+  closed) fails the writes with EIO instead. The run goes on to its end, output dropped."""
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
+  reader = writer = None
+  if streams == "terminal":
+    reader, writer = pty.openpty()
   with open(tmp_path / "stderr.txt", "w") as err:
     proc = subprocess.Popen(
         ["timeout", "-k", "5", "240", sys.executable, "-m", "trainer.main",
          f"--config={helpers.REPO}/{RECIPE}", f"--workdir={tmp_path / 'w'}",
          "--config.train_steps=20", "--config.steps_per_loop=2"],
-        cwd=helpers.REPO, env=env, stdout=subprocess.PIPE,
+        cwd=helpers.REPO, env=env, stdout=writer or subprocess.PIPE,
         stderr=subprocess.STDOUT if streams == "stdout_and_stderr" else err)
-    proc.stdout.readline()  # The reader takes one line and goes.
-    proc.stdout.close()
+    if reader is None:
+      proc.stdout.readline()  # The reader takes one line and goes.
+      proc.stdout.close()
+    else:
+      os.close(writer)
+      while b"\n" not in os.read(reader, 4096):  # The first line, then the terminal closes.
+        pass
+      os.close(reader)
     code = proc.wait(timeout=260)
   assert code == 0, (tmp_path / "stderr.txt").read_text()[-2000:]
   assert json.loads((tmp_path / "w" / "result.json").read_text())["global_step"] == 20

@@ -3,14 +3,20 @@
 `python -m trainer.main ... | head`, a `less` that was quit, a killed `tee` or a restarted log
 collector: the next write to stdout raised BrokenPipeError inside Orbit's progress print and
 killed the run, exit 1, losing the updates since the last checkpoint (with `2>&1 | head -3`
-before the first one; a probe, 2026-12-07). `install()` wraps `sys.stdout` and `sys.stderr`:
-on a broken pipe the stream's file descriptor is pointed at /dev/null and the run carries on.
+before the first one; a probe, 2026-12-07). A closed terminal fails writes with EIO alike.
+`install()` wraps `sys.stdout` and `sys.stderr`: when the reader has gone, the stream's file
+descriptor is pointed at /dev/null and the run carries on.
 Its checkpoints, TensorBoard summaries and result.json hold what the lost lines said.
 
 Eager, host, free of TensorFlow imports; `trainer.main` installs it before anything prints.
 """
+import errno
 import os
 import sys
+
+
+# A pipe whose reader exited (EPIPE: BrokenPipeError), a terminal that was closed (EIO).
+_READER_GONE = (errno.EPIPE, errno.EIO)
 
 
 def _to_devnull(stream) -> None:
@@ -32,14 +38,18 @@ class _SurvivesItsReader:
   def write(self, text):
     try:
       return self._stream.write(text)
-    except BrokenPipeError:
+    except OSError as e:
+      if e.errno not in _READER_GONE:
+        raise
       _to_devnull(self._stream)
       return len(text)
 
   def flush(self):
     try:
       self._stream.flush()
-    except BrokenPipeError:
+    except OSError as e:
+      if e.errno not in _READER_GONE:
+        raise
       _to_devnull(self._stream)
 
   def __getattr__(self, name):  # isatty, fileno, encoding, ...: the stream's own.
