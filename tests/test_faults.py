@@ -12,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from trainer import exit_codes
@@ -104,6 +105,38 @@ def _summary_steps(workdir, tag_prefix):
       if any(v.tag.startswith(tag_prefix) for v in event.summary.value):
         steps.add(event.step)
   return steps
+
+
+@pytest.mark.parametrize("nohup", [False, True])
+def test_a_closed_terminal_sighup_stops_as_sigterm_does_unless_nohup(tmp_path, nohup):
+  """SIGHUP (a closed terminal, a dropped ssh session) killed the run at once, exit -1, its
+  updates since the last checkpoint lost (a probe, 2026-12-07). It now writes a checkpoint and
+  exits 42 as for SIGTERM; under `nohup` (SIGHUP ignored) the run goes on to its end."""
+  steps = 100000 if not nohup else 30
+  cmd = _cmd(tmp_path, f"--config.train_steps={steps}", "--config.steps_per_loop=1",
+             "--config.checkpoint_every=100000")
+  if nohup:  # Without `timeout`, which would SIGKILL it 5 s after the SIGHUP it forwards
+    cmd = ["nohup"] + cmd[4:]  # (`-k 5`); bounded by `communicate` and the kill below.
+  proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    for line in proc.stderr:  # Wait until training is under way.
+      if "train step" in line or time.time() > deadline:
+        break
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
+  if nohup:
+    assert proc.returncode == 0, err[-2000:]
+    assert latest.endswith(f"ckpt-{steps}")
+    return
+  assert proc.returncode == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert "checkpoint written at update" in err.strip().splitlines()[-1], err[-2000:]
+  assert int(latest.rsplit("-", 1)[1]) >= 1  # Not only at the end: `checkpoint_every` is huge.
 
 
 def test_sigterm_checkpoints_and_exits_with_the_preempted_code(tmp_path):

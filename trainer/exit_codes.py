@@ -9,7 +9,8 @@ any other non-zero code is for a person to read.
                        stderr names it. Nothing was written over.
   DIVERGED_EXIT_CODE   (3) too many non-finite updates (in a row, or among recent ones).
   PREEMPTED_EXIT_CODE  (42) the run was told to stop (SIGTERM: TPU maintenance, spot reclaim, a
-                       scheduler), wrote a checkpoint if it had progress to save, and exited:
+                       scheduler; or SIGHUP: its terminal closed, unless `nohup` ignores it),
+                       wrote a checkpoint if it had progress to save, and exited:
                        start the same command again and it resumes.
   PEER_LOST_EXIT_CODE  (43) a multi-worker peer vanished mid-run: restart all workers together
                        (they resume from the last checkpoint). A peer that never arrives within

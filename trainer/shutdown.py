@@ -1,5 +1,7 @@
 """SIGTERM and SIGINT from the first instruction: stop with the right exit code, never lose work.
 
+SIGHUP (the terminal closed, an ssh session dropped) is a SIGTERM here, unless `nohup` ignores it.
+
 `install()` runs first thing in `trainer.main`, before TensorFlow is imported. From then on:
 
     phase                               SIGTERM                      SIGINT (Ctrl-C)
@@ -31,7 +33,7 @@ import sys
 
 from trainer import exit_codes
 
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: unless ignored, `nohup`.)
 _state = {"deferred": 0, "requested": None, "installed": False}
 _IDLE_MESSAGE = "with nothing unsaved; rerun the same command to continue"
 
@@ -98,6 +100,10 @@ def exit_on_stop():
 
 
 def _handle(signum, frame):  # pylint: disable=unused-argument
+  if signum == signal.SIGHUP:  # The terminal closed (ssh dropped): it killed the run, with the
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # updates since the last checkpoint; stop as
+    if _state["deferred"]:                          # for SIGTERM (a probe, 2026-12-07).
+      signum = signal.SIGTERM  # (Noted as one: workers agree on SIGTERM and SIGINT only.)
   if signum == signal.SIGTERM:
     # A repeated SIGTERM (a supervisor and a VM shutdown alike) changes nothing from here on.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -112,13 +118,15 @@ def _handle(signum, frame):  # pylint: disable=unused-argument
 
 
 def install() -> None:
-  """Installs the handlers for SIGTERM and SIGINT (main thread, eager, host).
+  """Installs the handlers for SIGTERM, SIGINT and SIGHUP (main thread, eager, host). SIGHUP (a
+  closed terminal) stops the run as SIGTERM does, exit 42; under `nohup` it stays ignored.
 
   Call again after building a MultiWorkerMirroredStrategy: TensorFlow's C++ preemption notifier
   takes SIGTERM over then (while `signal.getsignal` still reports this handler).
   """
   for signum in _SIGNALS:
-    signal.signal(signum, _handle)
+    if signum != signal.SIGHUP or signal.getsignal(signum) == signal.SIG_DFL:  # Not `nohup`'s.
+      signal.signal(signum, _handle)
   _state["installed"] = True
 
 
