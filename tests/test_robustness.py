@@ -443,6 +443,14 @@ def test_only_full_or_read_only_storage_counts_as_a_storage_failure(tmp_path):
   assert failure(OSError(1, "Operation not permitted", f"{tmp_path}/result.json")) is not None
   assert failure(OSError(13, "Permission denied", "/data/train.npz")) is None
   assert failure(tf.errors.PermissionDeniedError(None, None, "/data/x; Permission denied")) is None
+  # A path component, not a substring: `.` is in /data/train.npz, /data/exp in /data/exp_inputs.
+  for workdir, path in ((".", "/data/train.npz"), ("/data/exp", "/data/exp_inputs/x.csv"),
+                        ("runs", "/mnt/runs_data/x")):
+    denied = tf.errors.PermissionDeniedError(None, None, f"{path}; Permission denied")
+    assert checkpointing.storage_write_failure(denied, workdir) is None, workdir
+  relative = tf.errors.PermissionDeniedError(None, None, "./result.json.partial.3; Permission "
+                                             "denied")
+  assert checkpointing.storage_write_failure(relative, ".") is not None
   # The one-line errors guess the cause from the error, not always "disk full?".
   hint = checkpointing.storage_hint
   assert hint(OSError(28, "No space left on device")) == "disk full?"

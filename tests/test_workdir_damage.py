@@ -405,6 +405,28 @@ def test_an_export_of_another_run_at_the_same_update_is_replaced_and_set_aside(t
   assert len(list((workdir / "export").glob("6.replaced.*"))) == 1
 
 
+def test_an_earlier_runs_export_that_cannot_be_set_aside_is_not_taken_as_this_runs(
+    trained, tmp_path, monkeypatch):
+  workdir = _copy(trained, tmp_path)
+  run.run(_config(mode="export"), str(workdir))
+  old = _export_weights(workdir / "export" / "6")
+  shutil.rmtree(workdir / "checkpoints")
+  from trainer import export  # pylint: disable=g-import-not-at-top
+  real_rename = export.tf.io.gfile.rename
+
+  def refuse_aside(source, target, *args, **kwargs):
+    if ".replaced." in str(target):
+      raise tf.errors.PermissionDeniedError(None, None, f"{target}; Permission denied")
+    return real_rename(source, target, *args, **kwargs)
+  monkeypatch.setattr(export.tf.io.gfile, "rename", refuse_aside)
+  with pytest.raises(checkpointing.CheckpointWriteError, match="cannot move the complete export"):
+    run.run(_config(**{"optimizer.learning_rate": 0.01, "export_at_end": True}), str(workdir))
+  unchanged = _export_weights(workdir / "export" / "6")
+  assert all(np.array_equal(unchanged[k], old[k]) for k in old)
+  kept, = (workdir / "export").glob("6.partial.*")  # This run's model, for a person to move.
+  assert (kept / "saved_model.pb").exists()
+
+
 def test_a_checkpoint_deleted_while_an_evaluator_reads_it_is_not_damage(trained, tmp_path,
                                                                         monkeypatch):
   """Beside a live trainer keeping one checkpoint, `mode=eval` listed ckpt-6, the trainer deleted

@@ -215,6 +215,14 @@ def storage_hint(error: BaseException) -> str:
   return "storage failing?"
 
 
+def _names_a_path_in(text: str, workdir: str) -> bool:
+  """Whether `text` names a path inside `workdir` (as given, or absolute): the directory as a
+  whole path component, so `/data/exp` is not found in `/data/exp_inputs/x`, nor `.` in
+  `/data/train.npz`."""
+  forms = {workdir.rstrip("/")} | ({os.path.abspath(workdir)} if "://" not in workdir else set())
+  return any(re.search(r"(?:^|[\s'\"(=:])" + re.escape(form + "/"), text) for form in forms)
+
+
 def storage_write_failure(error: BaseException, workdir: str):
   """One line for a write to `workdir` that failed because its storage is full or read-only, or
   a file in it may not be written (a TensorBoard summary, `result.json`, ...: checkpoints and
@@ -229,8 +237,7 @@ def storage_write_failure(error: BaseException, workdir: str):
   denied = (number in (errno.EACCES, errno.EPERM)
             or isinstance(error, tf.errors.PermissionDeniedError)
             or any(c in text for c in ("Permission denied", "Operation not permitted")))
-  named = [str(workdir), os.path.abspath(workdir)] if "://" not in workdir else [workdir]
-  in_workdir = any(p in text or p in str(getattr(error, "filename", "") or "") for p in named)
+  in_workdir = _names_a_path_in(f"{text} {getattr(error, 'filename', '') or ''}", workdir)
   if not (full or (denied and in_workdir)):
     return None
   return (f"cannot write to `--workdir`={workdir} ({errors.describe_error(error)}); "

@@ -91,12 +91,13 @@ def _variable_values(export_dir: str) -> list:
                 for v in values)
 
 
-def _same_weights(export_a: str, export_b: str) -> bool:
-  """Whether two SavedModels hold the same variable values, bitwise."""
+def _same_weights(export_a: str, export_b: str) -> Optional[bool]:
+  """Whether two SavedModels hold the same variable values, bitwise; None when one cannot be
+  read (still being copied into place by another process, on gs://)."""
   try:
     return _variable_values(export_a) == _variable_values(export_b)
-  except tf.errors.OpError:  # Unreadable: not known to be the same.
-    return False
+  except tf.errors.OpError:
+    return None
 
 
 def batch_spec(source, batch_size: int) -> dict:
@@ -189,8 +190,9 @@ def export_model(task, model, workdir: str, step: int, source=None, batch_size: 
         f"{checkpointing.storage_hint(e)} The checkpoints are intact: fix that and rerun with "
         "`mode=export`") from None
   try:
-    if _complete(final) and _same_weights(final, partial):  # Another process exported it.
-      _remove(partial)
+    same = _same_weights(final, partial) if _complete(final) else False
+    if same is not False:  # Another process exported it (or, unreadable: one is copying it in
+      _remove(partial)     # on gs://, where a directory rename copies file by file).
     else:
       if _complete(final):  # Of another run at this update (one trained again from 0).
         aside = f"{final}.replaced.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}"
@@ -200,8 +202,8 @@ def export_model(task, model, workdir: str, step: int, source=None, batch_size: 
       _remove(final)  # (A file or an incomplete directory in its place.)
       tf.io.gfile.rename(partial, final)
   except (*checkpointing.STORAGE_ERRORS, tf.errors.OpError) as e:  # (Also a lost race.)
-    if _complete(final):  # Renamed there by the other process in between: same weights.
-      _remove(partial)
+    if _complete(final) and _same_weights(final, partial) is not False:  # Renamed there by
+      _remove(partial)                                  # the other process in between.
       return final
     raise checkpointing.CheckpointWriteError(
         f"cannot move the complete export {partial} to {final} ({type(e).__name__}); move it "

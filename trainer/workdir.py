@@ -101,7 +101,7 @@ def check_name(workdir: str) -> None:
     raise errors.ConfigError(
         f"`--workdir`={workdir!r} is not valid UTF-8, which TensorFlow's file system needs; "
         "name a directory whose path is UTF-8") from None
-  scheme = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", workdir)
+  scheme = re.match(r"^([A-Za-z][A-Za-z0-9.]*)://", workdir)  # (A scheme as TF parses one.)
   if scheme and scheme.group(1) != "gs":  # The lock (a local flock) would go to ./s3:/...
     hint = (f"; for a local directory give its path: {workdir[len('file://'):]!r}"
             if scheme.group(1) == "file" else "")
