@@ -107,6 +107,25 @@ def _summary_steps(workdir, tag_prefix):
   return steps
 
 
+def _signal_once_training(cmd, signum, timeout):
+  """Starts `cmd`, sends `signum` once its log shows a training step (or after 120 s), and
+  waits up to `timeout` s; returns (exit code, stderr, seconds from the signal to the exit)."""
+  proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 120
+    for line in proc.stderr:  # Wait until training is under way.
+      if "train step" in line or time.time() > deadline:
+        break
+    proc.send_signal(signum)
+    sent = time.time()
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err, time.time() - sent
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+
 @pytest.mark.parametrize("nohup", [False, True])
 def test_a_closed_terminal_sighup_stops_as_sigterm_does_unless_nohup(tmp_path, nohup):
   """SIGHUP (a closed terminal, a dropped ssh session) killed the run at once, exit -1, its
@@ -117,24 +136,13 @@ def test_a_closed_terminal_sighup_stops_as_sigterm_does_unless_nohup(tmp_path, n
              "--config.checkpoint_every=100000")
   if nohup:  # Without `timeout`, which would SIGKILL it 5 s after the SIGHUP it forwards
     cmd = ["nohup"] + cmd[4:]  # (`-k 5`); bounded by `communicate` and the kill below.
-  proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-  try:
-    deadline = time.time() + 120
-    for line in proc.stderr:  # Wait until training is under way.
-      if "train step" in line or time.time() > deadline:
-        break
-    proc.send_signal(signal.SIGHUP)
-    _, err = proc.communicate(timeout=120)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  code, err, _ = _signal_once_training(cmd, signal.SIGHUP, timeout=120)
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   if nohup:
-    assert proc.returncode == 0, err[-2000:]
+    assert code == 0, err[-2000:]
     assert latest.endswith(f"ckpt-{steps}")
     return
-  assert proc.returncode == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
   assert "checkpoint written at update" in err.strip().splitlines()[-1], err[-2000:]
   assert int(latest.rsplit("-", 1)[1]) >= 1  # Not only at the end: `checkpoint_every` is huge.
 
@@ -145,22 +153,9 @@ def test_sigterm_checkpoints_and_exits_with_the_preempted_code(tmp_path):
   the last loop reached the disk (Orbit's writer flushes as the loop's steps end)."""
   cmd = _cmd(tmp_path, "--config.train_steps=100000", "--config.per_example.every_steps=1",
              "--config.steps_per_loop=1")  # Fewer events than a writer queues before it flushes.
-  proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
-  try:
-    deadline = time.time() + 120
-    for line in proc.stderr:  # Wait until training is under way.
-      if "train step" in line or time.time() > deadline:
-        break
-    # `timeout` forwards SIGTERM to the trainer, as a scheduler signalling the job would.
-    proc.send_signal(signal.SIGTERM)
-    sent = time.time()
-    _, err = proc.communicate(timeout=30)
-    elapsed = time.time() - sent
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  assert proc.returncode == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+  # `timeout` forwards SIGTERM to the trainer, as a scheduler signalling the job would.
+  code, err, elapsed = _signal_once_training(cmd, signal.SIGTERM, timeout=30)
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
   assert elapsed < 10, elapsed
   assert "stopped by SIGTERM; checkpoint written at update" in err
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))

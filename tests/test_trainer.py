@@ -93,6 +93,15 @@ def test_tensorboard_scalars(tmp_path):
   assert {"loss", "accuracy", "learning_rate", "examples_per_second"} <= tags, tags
 
 
+def _evaluated_updates(workdir) -> list:
+  found = []
+  for path in glob.glob(str(workdir / "summaries" / "eval" / "events.out.tfevents.*")):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      if any(v.tag == "loss" for v in event.summary.value):
+        found.append(event.step)
+  return sorted(found)
+
+
 def test_evaluations_fall_on_multiples_of_eval_every_after_a_resume(tmp_path):
   """Orbit counts its interval from where it starts: resumed at 3 with `eval_every`=2, it
   evaluated at 5 and 7, not 4, 6 and 7."""
@@ -100,12 +109,7 @@ def test_evaluations_fall_on_multiples_of_eval_every_after_a_resume(tmp_path):
   base = {"mode": "train_and_eval", "steps_per_loop": 1, "eval_every": 2, "checkpoint_every": 1}
   run.run(helpers.tiny_config(train_steps=3, **base), str(tmp_path))
   result = run.run(helpers.tiny_config(train_steps=7, **base), str(tmp_path))
-  evaluated = set()
-  for path in glob.glob(str(tmp_path / "summaries" / "eval" / "events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      if any(v.tag == "loss" for v in event.summary.value):
-        evaluated.add(event.step)
-  assert evaluated == {2, 3, 4, 6, 7}
+  assert set(_evaluated_updates(tmp_path)) == {2, 3, 4, 6, 7}
   assert result["global_step"] == 7 and result["eval"]["examples"] == 64
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-7")
   # Resumed at the last update: nothing to train, the final weights evaluated again.
@@ -115,15 +119,6 @@ def test_evaluations_fall_on_multiples_of_eval_every_after_a_resume(tmp_path):
   last = run.run(helpers.tiny_config(train_steps=8, **base), str(tmp_path))
   assert last["global_step"] == 8 and last["eval"]["loss"] != again["eval"]["loss"]
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-8")
-
-
-def _evaluated_updates(workdir) -> list:
-  found = []
-  for path in sorted(glob.glob(str(workdir / "summaries" / "eval" / "events.out.tfevents.*"))):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      if any(v.tag == "loss" for v in event.summary.value):
-        found.append(event.step)
-  return sorted(found)
 
 
 def test_an_evaluation_due_at_the_update_a_run_stopped_at_runs_on_resume(tmp_path):

@@ -198,6 +198,12 @@ _FULL_OR_READ_ONLY = ("No space left on device", "Disk quota exceeded", "Read-on
 _FULL_OR_READ_ONLY_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG)
 
 
+def _no_permission(error: BaseException) -> bool:
+  """Whether a failed write was refused for want of permission (EACCES, EPERM: `chattr +i`)."""
+  return isinstance(error, tf.errors.PermissionDeniedError) or any(
+      cause in str(error) for cause in ("Permission denied", "Operation not permitted"))
+
+
 def storage_hint(error: BaseException) -> str:
   """A guess at the cause of a failed write, for its one-line error: `disk full?`, ..."""
   text = str(error)
@@ -206,8 +212,7 @@ def storage_hint(error: BaseException) -> str:
     return "read-only file system?"
   if "File too large" in text or getattr(error, "errno", None) == errno.EFBIG:
     return "a limit on file size (`ulimit -f`, FAT32's 4 GiB, a quota)?"
-  if isinstance(error, tf.errors.PermissionDeniedError) or "Permission denied" in text or (
-      "Operation not permitted" in text):
+  if _no_permission(error):
     return "no write permission?"
   if isinstance(error, tf.errors.ResourceExhaustedError) or any(
       cause in text for cause in _FULL_OR_READ_ONLY):
@@ -234,11 +239,8 @@ def storage_write_failure(error: BaseException, workdir: str):
   # A file the run may not write (`chattr +i`, a root-owned summary directory): only when the
   # error names a path in the workdir (not, say, an unreadable data file). It was a traceback,
   # exit 1 (a probe, 2026-12-07).
-  denied = (number in (errno.EACCES, errno.EPERM)
-            or isinstance(error, tf.errors.PermissionDeniedError)
-            or any(c in text for c in ("Permission denied", "Operation not permitted")))
   in_workdir = _names_a_path_in(f"{text} {getattr(error, 'filename', '') or ''}", workdir)
-  if not (full or (denied and in_workdir)):
+  if not (full or (_no_permission(error) and in_workdir)):
     return None
   return (f"cannot write to `--workdir`={workdir} ({errors.describe_error(error)}); "
           f"{storage_hint(error)} The latest checkpoint is {latest_checkpoint(workdir) or 'none'}"

@@ -93,7 +93,8 @@ def _variable_values(export_dir: str) -> list:
 
 def _same_weights(export_a: str, export_b: str) -> Optional[bool]:
   """Whether two SavedModels hold the same variable values, bitwise; None when one cannot be
-  read (still being copied into place by another process, on gs://)."""
+  read (still being copied into place by another process, on gs://, where a directory rename
+  copies file by file): such an export is taken as the other process's, never set aside."""
   try:
     return _variable_values(export_a) == _variable_values(export_b)
   except tf.errors.OpError:
@@ -190,11 +191,11 @@ def export_model(task, model, workdir: str, step: int, source=None, batch_size: 
         f"{checkpointing.storage_hint(e)} The checkpoints are intact: fix that and rerun with "
         "`mode=export`") from None
   try:
-    same = _same_weights(final, partial) if _complete(final) else False
-    if same is not False:  # Another process exported it (or, unreadable: one is copying it in
-      _remove(partial)     # on gs://, where a directory rename copies file by file).
+    complete = _complete(final)
+    if complete and _same_weights(final, partial) is not False:  # Another process's copy.
+      _remove(partial)
     else:
-      if _complete(final):  # Of another run at this update (one trained again from 0).
+      if complete:  # Of another run at this update (one trained again from 0).
         aside = f"{final}.replaced.{time.strftime('%Y%m%d-%H%M%S')}.{os.getpid()}"
         tf.io.gfile.rename(final, aside)
         logging.warning("%s held another model (an earlier run's); set it aside as %s",
@@ -203,7 +204,7 @@ def export_model(task, model, workdir: str, step: int, source=None, batch_size: 
       tf.io.gfile.rename(partial, final)
   except (*checkpointing.STORAGE_ERRORS, tf.errors.OpError) as e:  # (Also a lost race.)
     if _complete(final) and _same_weights(final, partial) is not False:  # Renamed there by
-      _remove(partial)                                  # the other process in between.
+      _remove(partial)                                  # another process in between.
       return final
     raise checkpointing.CheckpointWriteError(
         f"cannot move the complete export {partial} to {final} ({type(e).__name__}); move it "

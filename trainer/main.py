@@ -59,27 +59,27 @@ def main(argv):
   import tensorflow as tf
   from trainer import checkpointing, errors, preemption, run
   errors.drop_replica_reports()
-  failure = stop = line = None  # failure: (the error, its exit code), then the code
+  error = code = line = stop = None  # A failure: its error, its exit code, its one line.
   try:
     run.run(_CONFIG.value, _WORKDIR.value)
   except shutdown.StopRequested as e:  # Re-raised below, without the run's frames.
     stop = e.with_traceback(None)
     stop.__context__ = None
   except errors.MicrostepError as e:
-    failure = (e, exit_codes.BAD_INPUT_EXIT_CODE)
+    error, code = e, exit_codes.BAD_INPUT_EXIT_CODE
   except FloatingPointError as e:
-    failure = (e, exit_codes.DIVERGED_EXIT_CODE)
+    error, code = e, exit_codes.DIVERGED_EXIT_CODE
   except preemption.PeerLostError as e:
-    failure = (e, exit_codes.PEER_LOST_EXIT_CODE)
+    error, code = e, exit_codes.PEER_LOST_EXIT_CODE
   except (checkpointing.CheckpointWriteError, checkpointing.CheckpointReadError) as e:
-    failure = (e, exit_codes.CHECKPOINT_IO_EXIT_CODE)
+    error, code = e, exit_codes.CHECKPOINT_IO_EXIT_CODE
   except (tf.errors.OpError, OSError) as e:  # E.g. a TensorBoard summary on a full disk.
-    message = checkpointing.storage_write_failure(e, _WORKDIR.value)
-    if message is None:
+    line = checkpointing.storage_write_failure(e, _WORKDIR.value)
+    if line is None:
       raise
-    failure, line = (e, exit_codes.CHECKPOINT_IO_EXIT_CODE), message
-  if failure:  # The line now; the error (its frames hold the run's objects) goes below.
-    line, failure = flag_errors.failure_line(failure[0], _TRACEBACK.value, line), failure[1]
+    error, code = e, exit_codes.CHECKPOINT_IO_EXIT_CODE
+  if error is not None:  # The line now; the error goes (its frames hold the run's objects).
+    line, error = flag_errors.failure_line(error, _TRACEBACK.value, line), None
   if stop:  # Its checkpoint is written: the process ends at once (`shutdown.exit_on_stop`).
     raise stop
   # The run's objects go now, while Python runs: what their destructors log (e.g. TensorFlow on
@@ -88,8 +88,8 @@ def main(argv):
   # (`tf.numpy_function` of an indexable source, `from_generator`) that needs the GIL: at
   # interpreter shutdown they can never get it, and the finished process hung (a probe).
   gc.collect()
-  if failure:
-    flag_errors.fail(line, failure)
+  if code is not None:
+    flag_errors.fail(line, code)
 
 
 def run_cli() -> None:
