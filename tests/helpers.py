@@ -4,6 +4,7 @@ The reference is the thing accumulation must equal: a plain Keras optimizer on O
 the concatenated batch of an update (k micro-batches x all replicas), with Keras' own
 `global_clipnorm` (correct on one device, on dense gradients) and loss Σ w·l / Σ w.
 """
+import glob
 import os
 
 import numpy as np
@@ -16,6 +17,24 @@ from trainer import optimizers
 from trainer import run
 from trainer import sources
 from trainer import tasks
+
+
+def summary_events(directory) -> dict:
+  """{tag: [(step, value as a numpy array), ...]} of the TensorBoard event files in `directory`."""
+  found = {}
+  for path in sorted(glob.glob(os.path.join(str(directory), "events.out.tfevents.*"))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        number = (tf.make_ndarray(value.tensor) if value.HasField("tensor")
+                  else np.asarray(value.simple_value))
+        found.setdefault(value.tag, []).append((event.step, number))
+  return found
+
+
+def evaluated_updates(workdir) -> list:
+  """The updates at which `workdir/summaries/eval` holds an evaluation, in order, repeats kept."""
+  return sorted(step for step, _ in summary_events(
+      os.path.join(str(workdir), "summaries", "eval")).get("loss", []))
 
 
 def tiny_config(**overrides):

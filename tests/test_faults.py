@@ -2,7 +2,6 @@
 
 Every subprocess runs under `timeout -k 5`; the tests signal only the PIDs they started.
 """
-import glob
 import os
 import random
 import signal
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import helpers
 from trainer import exit_codes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -99,12 +99,9 @@ def test_kill_9_at_random_points_then_resume_bitwise(tmp_path):
 
 def _summary_steps(workdir, tag_prefix):
   """The steps of the training events on disk with a tag that starts with `tag_prefix`."""
-  steps = set()
-  for path in glob.glob(os.path.join(workdir, "summaries", "train", "events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      if any(v.tag.startswith(tag_prefix) for v in event.summary.value):
-        steps.add(event.step)
-  return steps
+  events = helpers.summary_events(os.path.join(workdir, "summaries", "train"))
+  return {step for tag, points in events.items() if tag.startswith(tag_prefix)
+          for step, _ in points}
 
 
 def _signal_once_training(cmd, signum, timeout):

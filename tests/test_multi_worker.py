@@ -241,3 +241,15 @@ def test_workers_that_restored_different_updates_refuse_to_train(tmp_path):
   for err, step in zip(errs, ("5", "none")):
     assert ("the workers disagree on the newest checkpoint in their workdirs (this one: "
             f"{step}; another worker has a different one)") in err, err[-1500:]
+
+
+def test_a_resume_at_an_evaluated_update_skips_it_on_both_workers(tmp_path):
+  """An evaluation is collective: the chief decides from its `evaluated.json` whether update 5
+  was evaluated already, and tells the other worker, which may not see the chief's files."""
+  for steps in (5, 10):
+    codes, errs = _run_pair([tmp_path, tmp_path], free_ports(2), "--config.mode=train_and_eval",
+                            "--config.eval_every=5", f"--config.train_steps={steps}",
+                            name=f"to{steps}_")
+    assert codes == [0, 0], errs[0][-1500:] + errs[1][-1500:]
+  assert all("update 5 was evaluated already" in err for err in errs), errs[1][-1500:]
+  assert helpers.evaluated_updates(tmp_path) == [5, 10]

@@ -1,6 +1,5 @@
 """Per-example statistics inside the trainer's own update (issue 10): when they are written, and
 that they equal an oracle computed from materialised per-example gradients."""
-import glob
 
 import numpy as np
 import pytest
@@ -15,15 +14,6 @@ from trainer import replica_state
 from trainer.per_example import kernels
 
 
-def _events(directory):
-  found = {}
-  for path in glob.glob(str(directory / "events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      for value in event.summary.value:
-        found.setdefault(value.tag, []).append((event.step, tf.make_ndarray(value.tensor)))
-  return found
-
-
 def _train_with_summaries(tmp_path, overrides, updates, task_class=None):
   """(strategy, trainer, initial weights, summaries) of `updates` updates from a fresh build;
   `task_class(config)` replaces the config's task when given."""
@@ -35,7 +25,7 @@ def _train_with_summaries(tmp_path, overrides, updates, task_class=None):
   with writer.as_default():
     trainer.train(tf.constant(updates))
   writer.flush()
-  return strategy, trainer, initial, _events(tmp_path / "tb")
+  return strategy, trainer, initial, helpers.summary_events(tmp_path / "tb")
 
 
 @pytest.mark.parametrize("replicas,k", [(1, 1), (2, 2)])
@@ -201,7 +191,7 @@ def test_layers_the_formulas_cannot_serve_take_the_general_path_in_the_trainer_h
     np.testing.assert_allclose(fast, tape, atol=1e-6 * max(1.0, scale), err_msg=str(k))
   batch = helpers.update_batches(config, 1, task)[0]
   expected = _oracle(config, task, initial, batch, 1, 1)
-  events = _events(tmp_path / "tb1")
+  events = helpers.summary_events(tmp_path / "tb1")
   for name in ("gns", "diversity", "mean_norm", "trace", "grad_norm", "mean_cosine"):
     (step, got), = events[f"per_example/{name}"]
     np.testing.assert_allclose(float(got), expected[name], rtol=1e-5, err_msg=name)

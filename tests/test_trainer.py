@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -78,28 +79,11 @@ def test_cli_writes_config_summaries_checkpoints_and_logs(tmp_path):
   assert result["global_step"] == 12 and 0.0 <= result["eval"]["accuracy"] <= 1.0
 
 
-def _scalar_tags(directory):
-  tags = set()
-  for path in glob.glob(os.path.join(directory, "events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      tags.update(v.tag for v in event.summary.value)
-  return tags
-
-
 def test_tensorboard_scalars(tmp_path):
   out = _main(tmp_path)
   assert out.returncode == 0, out.stderr[-2000:]
-  tags = _scalar_tags(str(tmp_path / "summaries" / "train"))
+  tags = set(helpers.summary_events(tmp_path / "summaries" / "train"))
   assert {"loss", "accuracy", "learning_rate", "examples_per_second"} <= tags, tags
-
-
-def _evaluated_updates(workdir) -> list:
-  found = []
-  for path in glob.glob(str(workdir / "summaries" / "eval" / "events.out.tfevents.*")):
-    for event in tf.compat.v1.train.summary_iterator(path):
-      if any(v.tag == "loss" for v in event.summary.value):
-        found.append(event.step)
-  return sorted(found)
 
 
 def test_evaluations_fall_on_multiples_of_eval_every_after_a_resume(tmp_path):
@@ -109,7 +93,7 @@ def test_evaluations_fall_on_multiples_of_eval_every_after_a_resume(tmp_path):
   base = {"mode": "train_and_eval", "steps_per_loop": 1, "eval_every": 2, "checkpoint_every": 1}
   run.run(helpers.tiny_config(train_steps=3, **base), str(tmp_path))
   result = run.run(helpers.tiny_config(train_steps=7, **base), str(tmp_path))
-  assert set(_evaluated_updates(tmp_path)) == {2, 3, 4, 6, 7}
+  assert set(helpers.evaluated_updates(tmp_path)) == {2, 3, 4, 6, 7}
   assert result["global_step"] == 7 and result["eval"]["examples"] == 64
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-7")
   # Resumed at the last update: nothing to train, the final weights evaluated again.
@@ -128,9 +112,28 @@ def test_an_evaluation_due_at_the_update_a_run_stopped_at_runs_on_resume(tmp_pat
   from trainer import run  # pylint: disable=g-import-not-at-top
   base = {"steps_per_loop": 2, "eval_every": 4, "checkpoint_every": 2}
   run.run(helpers.tiny_config(train_steps=4, mode="train", **base), str(tmp_path))
-  assert _evaluated_updates(tmp_path) == []
+  assert helpers.evaluated_updates(tmp_path) == []
   run.run(helpers.tiny_config(train_steps=8, mode="train_and_eval", **base), str(tmp_path))
-  assert _evaluated_updates(tmp_path) == [4, 8]
+  assert helpers.evaluated_updates(tmp_path) == [4, 8]
+
+
+def test_a_resume_at_an_evaluated_update_does_not_evaluate_the_same_weights_again(tmp_path):
+  """A run that evaluated update 4 and ended (or stopped right after that evaluation) evaluated
+  4 again when resumed there: two TensorBoard points, one wasted evaluation (found 2026-12-07).
+  A run retrained from update 0 into the same workdir has other weights at 4: evaluated."""
+  from trainer import run  # pylint: disable=g-import-not-at-top
+  base = {"mode": "train_and_eval", "steps_per_loop": 2, "eval_every": 4, "checkpoint_every": 2}
+  extended, retrained = tmp_path / "extended", tmp_path / "retrained"
+  for workdir in (extended, retrained):
+    run.run(helpers.tiny_config(train_steps=4, **base), str(workdir))
+    assert helpers.evaluated_updates(workdir) == [4]
+  result = run.run(helpers.tiny_config(train_steps=8, **base), str(extended))
+  assert helpers.evaluated_updates(extended) == [4, 8] and result["global_step"] == 8
+  # Other weights at update 4 (checkpoints deleted, another seed): evaluated on resume.
+  shutil.rmtree(retrained / "checkpoints")
+  run.run(helpers.tiny_config(train_steps=4, seed=7, **dict(base, mode="train")), str(retrained))
+  run.run(helpers.tiny_config(train_steps=8, seed=7, **base), str(retrained))
+  assert helpers.evaluated_updates(retrained) == [4, 4, 8]
 
 
 @pytest.mark.parametrize("override,message", [

@@ -21,6 +21,7 @@ from trainer import base_task
 from trainer import checkpointing
 from trainer import data
 from trainer import errors
+from trainer import evaluated
 from trainer import export
 from trainer import host_iterator
 from trainer import optimizers
@@ -73,21 +74,21 @@ def _eval_dataset(config, strategy, source):
   return strategy.distribute_datasets_from_function(dataset_fn), steps
 
 
-def _train_and_evaluate(controller, config, eval_steps: int) -> dict:
+def _train_and_evaluate(controller, config, eval_steps: int, already_evaluated) -> dict:
   """Trains to `config.train_steps`, evaluating at every multiple of `config.eval_every` and at
   the end; returns the last evaluation (eager, host).
 
   Orbit's `train_and_evaluate` counts its interval from the step it starts at: after a resume
   at update 450, `eval_every`=300 evaluated at 750 and 1050 instead of 600 and 900. The first
   stretch is trained up to the next multiple here, and Orbit's loop takes it from there. A run
-  resumed AT a multiple evaluates it first: the run before may have stopped before evaluating
-  (else that evaluation is repeated, on the same weights).
+  resumed AT a multiple evaluates it first: the run before may have stopped before evaluating.
+  `already_evaluated(step)` says whether it did, on the same weights (`trainer.evaluated`).
   """
   step, every, last = int(controller.global_step.numpy()), config.eval_every, config.train_steps
   if step >= last:  # Already trained: evaluate the final weights (e.g. a restart after a stop
     return controller.evaluate(steps=eval_steps)  # during the final evaluation).
-  if step and step % every == 0:  # Resumed at a multiple: a stop at this update (SIGTERM in the
-    controller.evaluate(steps=eval_steps)  # loop that reached it) came before its evaluation.
+  if step and step % every == 0 and not already_evaluated(step):  # Resumed at a multiple: a
+    controller.evaluate(steps=eval_steps)  # stop in the loop that reached it came before it.
   if step % every:
     aligned = min(last, (step // every + 1) * every)
     controller.train(steps=aligned, checkpoint_at_completion=aligned == last)
@@ -315,6 +316,10 @@ def _run(config, workdir: str, task, lock) -> dict:
       summary_interval=config.summary_every or None,
       summary_dir=os.path.join(summaries, "train") if chief else None,
       eval_summary_dir=os.path.join(summaries, "eval") if chief else None,
+      # A training chief records which weights it evaluated, once the summaries are written.
+      eval_summary_manager=evaluated.RecordingSummaryManager(
+          os.path.join(summaries, "eval"), trainer.global_step, workdir, trainer.model)
+      if chief and training else None,
       train_actions=[watcher.action(writes("summary_manager"))],
       # A signal noted during an evaluation stops right after it, its results written.
       eval_actions=[watcher.action(writes("eval_summary_manager"))])
@@ -326,7 +331,9 @@ def _run(config, workdir: str, task, lock) -> dict:
     elif config.mode == "eval":
       result["eval"] = controller.evaluate(steps=eval_steps)
     elif config.mode == "train_and_eval":
-      result["eval"] = _train_and_evaluate(controller, config, eval_steps)
+      result["eval"] = _train_and_evaluate(
+          controller, config, eval_steps, lambda step: evaluated.already_evaluated(
+              strategy, workdir, step, trainer.model, chief))
     elif config.mode == "continuous_eval":
       result["eval"] = controller.evaluate_continuously(steps=eval_steps,
                                                         timeout=config.eval_timeout_s)

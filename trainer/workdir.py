@@ -83,8 +83,9 @@ _LAYOUT = (("checkpoints", True), ("export", True), ("summaries", True),
            (os.path.join("summaries", "train"), True), (os.path.join("summaries", "eval"), True),
            (os.path.join("checkpoints", "damaged"), True),
            (os.path.join("checkpoints", "checkpoint"), False), ("config.json", False),
-           ("data_state", True), ("result.json", False), ("result.eval.json", False),
-           ("result.continuous_eval.json", False), ("result.export.json", False))
+           ("data_state", True), ("evaluated.json", False), ("result.json", False),
+           ("result.eval.json", False), ("result.continuous_eval.json", False),
+           ("result.export.json", False))
 
 
 def check_name(workdir: str) -> None:
