@@ -82,6 +82,5 @@ class PreemptionWatcher:
     path = (self._manager.save(checkpoint_number=step, check_interval=False)
             or self._manager.latest_checkpoint)
     logging.warning("stopping: saved %s at update %d", path, step)
-    name = "SIGINT" if shutdown.exit_code_for(signum) == 130 else "SIGTERM"
     raise shutdown.stop(
-        signum, f"stopped by {name}; checkpoint written at update {step}, rerun to resume")
+        signum, f"stopped by {shutdown.stop_name(signum)}; checkpoint written at update {step}, rerun to resume")

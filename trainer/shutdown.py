@@ -34,7 +34,9 @@ import sys
 from trainer import exit_codes
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: unless ignored, `nohup`.)
-_state = {"deferred": 0, "requested": None, "installed": False}
+# "requested": the stop noted while training (SIGTERM or SIGINT); "received": the signal that
+# made it, for the stop's line (a SIGHUP is noted as a SIGTERM).
+_state = {"deferred": 0, "requested": None, "received": None, "installed": False}
 _IDLE_MESSAGE = "with nothing unsaved; rerun the same command to continue"
 
 
@@ -100,6 +102,7 @@ def exit_on_stop():
 
 
 def _handle(signum, frame):  # pylint: disable=unused-argument
+  received = signum
   if signum == signal.SIGHUP:  # The terminal closed (ssh dropped): it killed the run, with the
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # updates since the last checkpoint; stop as
     if _state["deferred"]:                          # for SIGTERM (a probe, 2026-12-07).
@@ -112,9 +115,19 @@ def _handle(signum, frame):  # pylint: disable=unused-argument
   noted = _state["requested"]
   if noted is None or (signum == signal.SIGTERM and noted == signal.SIGINT):
     _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
+    _state["received"] = received
   elif signum == signal.SIGINT and noted == signal.SIGINT:
     raise stop(signum, "stopped at once by a second SIGINT: the updates since the last "
                        "checkpoint are not saved; rerun the same command to resume from it")
+
+
+def stop_name(signum: int) -> str:
+  """The name of the signal that made the stop `signum` (SIGTERM or SIGINT, as the workers
+  agreed on it): SIGHUP where this process's terminal closed; else SIGINT or SIGTERM."""
+  name = "SIGINT" if exit_code_for(signum) == exit_codes.INTERRUPTED_EXIT_CODE else "SIGTERM"
+  if name == "SIGTERM" and _state["received"] == signal.SIGHUP:
+    return "SIGHUP"
+  return name
 
 
 def install() -> None:
