@@ -251,6 +251,15 @@ class Flaky(NoMetrics):
     return base_task.LossOutput(loss=tf.where(batch["poison"] > 0, float("nan"), loss))
 
 
+class NanFromUpdate4(Flaky):
+  """The first three batches of 16 are finite, every example after them has a NaN loss."""
+
+  def train_data(self):
+    arrays = _arrays(480, 1)
+    arrays["poison"] = ((np.arange(480) // 16) >= 3).astype(np.float32)
+    return arrays
+
+
 class _SlowRecords:
   """An indexable source whose records take 20 ms each to read (a slow disk)."""
 

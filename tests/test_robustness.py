@@ -648,6 +648,21 @@ def test_skips_above_a_fraction_of_recent_updates_stop_the_run(tmp_path):
     run.run(config, str(tmp_path))
 
 
+def test_the_skip_window_spans_restarts(tmp_path):
+  """A job restarted every 3 updates, with `skip_window`=6, never ran 6 updates in one process,
+  so the fraction was never checked (until 2026-12-07). The window now starts from the run's
+  start and the kept checkpoints' counts, as an uninterrupted run's would: updates 4-9 all
+  skipped stop the third process at 9 (from update 0 it would be 6 of 9, under 0.7)."""
+  base = {"task": "example_tasks:NanFromUpdate4", "data.shuffle": False, "steps_per_loop": 3,
+          "checkpoint_every": 3, "skip_window": 6, "max_skipped_fraction": 0.7,
+          "max_consecutive_skips": 20, "mode": "train"}
+  for steps in (3, 6):
+    assert run.run(helpers.tiny_config(train_steps=steps, **base), str(tmp_path))[
+        "skipped_updates"] == steps - 3
+  with pytest.raises(FloatingPointError, match=r"^6 of the last 6 updates had non-finite loss"):
+    run.run(helpers.tiny_config(train_steps=9, **base), str(tmp_path))
+
+
 def test_result_json_is_strict_json(tmp_path):
   assert run._strict_json({"a": float("nan"), "b": [float("inf"), 1.0]}) == {  # pylint: disable=protected-access
       "a": None, "b": [None, 1.0]}

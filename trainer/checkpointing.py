@@ -180,7 +180,7 @@ _DAMAGE = (tf.errors.DataLossError, tf.errors.NotFoundError, tf.errors.OutOfRang
            tf.errors.InvalidArgumentError, IndexError, RuntimeError, EOFError)
 
 
-def _numbered(directory: str) -> list:
+def numbered(directory: str) -> list:
   """(update, prefix) of every `ckpt-N` whose index file exists, newest first."""
   found = []
   for index in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")):
@@ -277,7 +277,7 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
   one belongs to another config, or (`repair`) when the state file names a checkpoint but no
   `ckpt-N` is left: Orbit would fail restoring it, and a fresh start would hide the loss.
   """
-  candidates, skipped = _numbered(directory), []
+  candidates, skipped = numbered(directory), []
   relists = 0
   while candidates:
     number, prefix = candidates.pop(0)
@@ -288,7 +288,7 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
       # a reader beside it (mode=eval) lost the race. Not damage: list again (found 2026-12-05).
       relists += 1
       tried = {p for p, _ in skipped} | {prefix}
-      candidates = [(n, p) for n, p in _numbered(directory) if p not in tried]
+      candidates = [(n, p) for n, p in numbered(directory) if p not in tried]
       continue
     if damage:
       skipped.append((prefix, damage))
@@ -299,7 +299,7 @@ def restore_newest_intact(checkpoint, directory: str, strategy, *, repair: bool)
     if repair:
       try:
         _repair(directory, [p for p, _ in skipped],
-                [p for n, p in _numbered(directory) if n <= number])
+                [p for n, p in numbered(directory) if n <= number])
       except STORAGE_ERRORS as e:
         raise CheckpointWriteError(
             f"cannot set the damaged checkpoint(s) aside in {directory} ({errors.describe_error(e)}); "
@@ -371,8 +371,20 @@ NO_CHECKPOINT = -1
 def newest_number(directory: str) -> int:
   """The update number of the newest `ckpt-N` index file in `directory`; NO_CHECKPOINT (-1)
   when none (a lone `ckpt-0`, e.g. from `train_steps=0`, is 0, which must differ from none)."""
-  found = _numbered(directory)
+  found = numbered(directory)
   return found[0][0] if found else NO_CHECKPOINT
+
+
+def workers_agree(strategy, number: int) -> bool:
+  """Whether every worker holds the same integer `number` (eager; one collective on all, which
+  every worker must call at the same point). True off MultiWorkerMirrored."""
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return True
+  value = tf.constant(float(number), tf.float64)
+  moments = tf.function(lambda: strategy.reduce(   # Every worker gets the same answer.
+      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([value, value * value])),
+      axis=None))().numpy()
+  return moments[1] - moments[0] ** 2 <= 0.1  # Integers: a disagreement gives >= 0.25.
 
 
 def check_workers_agree(strategy, number: int, what: str) -> None:
@@ -384,13 +396,7 @@ def check_workers_agree(strategy, number: int, what: str) -> None:
   update each restored (checked after: a file seen damaged by one worker and not another would
   otherwise put them out of step without any error). Raises `errors.ConfigError`.
   """
-  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-    return
-  value = tf.constant(float(number), tf.float64)
-  moments = tf.function(lambda: strategy.reduce(   # Every worker gets the same answer.
-      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([value, value * value])),
-      axis=None))().numpy()
-  if moments[1] - moments[0] ** 2 > 0.1:  # Integers: any disagreement gives a variance >= 0.25.
+  if not workers_agree(strategy, number):
     shown = "none" if number == NO_CHECKPOINT else str(int(number))
     raise errors.ConfigError(
         f"the workers disagree on {what} (this one: {shown}; another worker has a different "

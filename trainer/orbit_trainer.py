@@ -33,6 +33,7 @@ from trainer import base_task
 from trainer import gradcache
 from trainer import optimizers
 from trainer import replica_state
+from trainer import skip_window
 from trainer import update
 from trainer import update_statistics
 from trainer import validation
@@ -139,7 +140,8 @@ class Trainer(orbit.StandardTrainer):
     options = orbit.StandardTrainerOptions(use_tf_while_loop=True, use_tf_function=True)
     super().__init__(train_dataset, options=options)
     self._loop_start = None
-    self._skip_history = []  # (update, skipped updates so far) at loop ends.
+    self.skip_window = skip_window.SkipWindow(config.skip_window, config.max_skipped_fraction,
+                                              _SKIP_CAUSES)
     self.restored_checkpoint = None  # Set by run.build.
 
   def checkpoint_items(self) -> dict:
@@ -330,8 +332,7 @@ class Trainer(orbit.StandardTrainer):
       self.loop_sums.assign(tf.zeros_like(self.loop_sums))
     self._loop_start = (time.perf_counter(), int(self.global_step.numpy()),
                         int(self.skipped_updates.numpy()))
-    if not self._skip_history:
-      self._skip_history.append(self._loop_start[1:])
+    self.skip_window.start(*self._loop_start[1:])
 
   def train_loop_end(self):
     """Loop metrics (TensorBoard scalars via the Controller) and one fixed-format log line."""
@@ -374,27 +375,8 @@ class Trainer(orbit.StandardTrainer):
           f"{int(self.consecutive_skips.numpy())} consecutive updates had non-finite loss or "
           f"gradients (`max_consecutive_skips`={limit}; {_SKIP_CAUSES}); stopping instead of "
           "training on garbage")
-    self._check_recent_skips(step, output["skipped_updates"])
+    self.skip_window.check(step, output["skipped_updates"])
     return output
-
-  def _check_recent_skips(self, step: int, skipped: int) -> None:
-    """Stops when more than `max_skipped_fraction` of the last `skip_window` updates skipped.
-
-    Eager, at loop ends: (update, skipped so far) snapshots, compared with the newest one at
-    least `skip_window` updates old.
-    """
-    window, fraction = int(self.config.skip_window), float(self.config.max_skipped_fraction)
-    self._skip_history.append((step, skipped))
-    old = [h for h in self._skip_history if h[0] <= step - window]
-    if old:
-      first_step, first_skipped = old[-1]
-      recent = (skipped - first_skipped) / max(step - first_step, 1)
-      self._skip_history = [h for h in self._skip_history if h[0] >= first_step]
-      if recent > fraction:
-        raise FloatingPointError(
-            f"{skipped - first_skipped} of the last {step - first_step} updates had non-finite "
-            f"loss or gradients (more than `max_skipped_fraction`={fraction} of "
-            f"`skip_window`={window}; {_SKIP_CAUSES}); stopping instead of training on garbage")
 
   def current_learning_rate(self) -> float:
     """The schedule's value at the current `optimizer.iterations` (eager)."""

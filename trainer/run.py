@@ -209,6 +209,9 @@ def build(config, workdir, task=None):
   trainer.restored_checkpoint = latest
   if latest:
     logging.info("restored %s at update %d", latest, int(trainer.global_step.numpy()))
+  if training:  # The kept checkpoints' skip counts: `max_skipped_fraction` spans restarts.
+    trainer.skip_window.seed(strategy, checkpoints, int(trainer.global_step.numpy()),
+                             int(trainer.skipped_updates.numpy()))
   if chief and training:  # Only once the workdir is known to fit this config.
     workdir_lib.write_atomically(os.path.join(workdir, "config.json"),
                                  config.to_json_best_effort(indent=2))
