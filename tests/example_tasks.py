@@ -384,6 +384,15 @@ class _TokenAndPosition(keras.layers.Layer):
     return self.tokens(ids) + self.positions(keras.ops.arange(self.length))
 
 
+class Recurrent(NoMetrics):
+  """An LSTM over the 12 features read as 4 steps of 3: no direct formula, a while loop."""
+
+  def build_model(self):
+    features = keras.Input((12,))
+    x = keras.layers.LSTM(5)(keras.layers.Reshape((4, 3))(features))
+    return keras.Model(features, keras.layers.Dense(2)(x))
+
+
 class PositionTransformer(NoMetrics):
   """Tokens -> token + position embeddings -> attention + LayerNormalization -> pooled logits.
 

@@ -197,6 +197,28 @@ def test_layers_the_formulas_cannot_serve_take_the_general_path_in_the_trainer_h
     np.testing.assert_allclose(float(got), expected[name], rtol=1e-5, err_msg=name)
 
 
+def test_statistics_of_a_recurrent_model_compile_with_xla(tmp_path):
+  """pfor vectorizes an LSTM's while loop into ops XLA cannot compile (an If over DT_VARIANT):
+  with statistics on and XLA, the first update failed with a traceback, exit 1, and
+  `xla=auto` picks XLA on every GPU (a probe, 2026-12-07). Under XLA such a model's general
+  path runs the loop; its statistics equal the oracle's."""
+  config = helpers.tiny_config(**{"per_example.every_steps": 1, "xla": "on", "train_steps": 1,
+                                  "batch_size": 8, "optimizer.name": "sgd"})
+  task = example_tasks.Recurrent(config)
+  strategy, trainer = helpers.build(config, tmp_path / "w", task)
+  assert trainer.xla.enabled
+  initial, _ = helpers.snapshot(strategy, trainer)
+  writer = tf.summary.create_file_writer(str(tmp_path / "tb"))
+  with writer.as_default():
+    trainer.train(tf.constant(1))
+  writer.flush()
+  expected = _oracle(config, task, initial, helpers.update_batches(config, 1, task)[0], 1, 1)
+  events = helpers.summary_events(tmp_path / "tb")
+  for name in ("gns", "diversity", "mean_norm", "trace", "grad_norm", "mean_cosine"):
+    (_, got), = events[f"per_example/{name}"]
+    np.testing.assert_allclose(float(got), expected[name], rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("replicas,k,general_path", [(1, 1, "vectorized_map"), (1, 1, "loop"),
                                                      (2, 2, "vectorized_map")])
 def test_statistics_leave_the_models_state_and_the_training_as_without_them(

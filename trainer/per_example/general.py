@@ -14,7 +14,9 @@
   ragged or sparse batches (some of it only at run time), and, on oneDNN's CPU kernels, for
   models with Keras attention or whose single-example graph has batched matmuls (`tf.matmul` of
   a sequence and a weight, as Dense on sequences and `keras.ops.einsum` run; the segfault above,
-  `kernels.PFOR_CRASH_OPS`; logged once per model). `_chosen_path` decides.
+  `kernels.PFOR_CRASH_OPS`), and, inside a function XLA compiles (`xla`, TPUs), for models with
+  a while loop (RNN layers: pfor's form of it does not compile, and the error comes at run time,
+  past any fallback; `kernels.PFOR_XLA_FAILS_OPS`). Logged once per model. `_chosen_path` decides.
 * `loop`: a compiled `tf.while_loop` over the examples, each iteration one example's
   GradientTape. Slower (B small forward/backward passes) but nothing is vectorized, so no crash.
   Called eagerly, the loop is wrapped in a `tf.function` (traced on every call).
@@ -38,7 +40,7 @@ from trainer.per_example import kernels
 
 PATHS = ("vectorized_map", "loop", "error")
 _WARNED = weakref.WeakSet()  # Models whose pfor crash was logged (once per process).
-_CRASH_OPS = weakref.WeakKeyDictionary()  # Model -> the ops of `kernels.PFOR_CRASH_OPS` it runs.
+_OP_TYPES = weakref.WeakKeyDictionary()  # Model -> the op types of its single-example gradient.
 _VECTORIZE_WARNED = weakref.WeakKeyDictionary()  # Model -> the failed-pfor lines logged for it.
 _WRITTEN = weakref.WeakKeyDictionary()  # Model -> ids of the state its forward writes.
 
@@ -101,40 +103,42 @@ def flat_layers(model) -> list:
 def _chosen_path(model, batch, general_path, one_example=None) -> str:
   """'loop' where `vectorized_map` is known to fail or crash (module docstring), else
   `general_path`. `one_example`: the single-example gradient function, traced once per model
-  (on a batch of one, in a graph of its own that never runs) to look for the ops that crash."""
+  (on a batch of one, in a graph of its own that never runs) to look for the ops that fail."""
   if general_path != "vectorized_map":
     return general_path
   if any(isinstance(t, (tf.RaggedTensor, tf.SparseTensor)) for t in tf.nest.flatten(batch)):
     return "loop"
-  if kernels.pfor_crashes_on(flat_layers(model)):
-    reason = "pfor through Keras attention"
-  elif one_example is not None and kernels.pfor_crash_possible():
-    found = _crash_ops(model, batch, one_example)
-    if not found:
-      return general_path
-    reason = f"pfor through batched matmuls ({', '.join(found)}) in the model"
+  crash = "on oneDNN's CPU kernels can crash TF 2.20 (a segmentation fault)"
+  if one_example is not None and kernels.in_xla_context() and (
+      _op_types(model, batch, one_example) & kernels.PFOR_XLA_FAILS_OPS):
+    reason = "pfor's form of a while loop (an RNN layer's) does not compile with XLA"
+  elif kernels.pfor_crashes_on(flat_layers(model)):
+    reason = f"pfor through Keras attention {crash}"
+  elif one_example is not None and kernels.pfor_crash_possible() and (
+      _op_types(model, batch, one_example) & kernels.PFOR_CRASH_OPS):
+    found = sorted(_op_types(model, batch, one_example) & kernels.PFOR_CRASH_OPS)
+    reason = f"pfor through batched matmuls ({', '.join(found)}) in the model {crash}"
   else:
     return general_path
   if model not in _WARNED:
     _WARNED.add(model)
-    logging.warning("per_example: general_path=vectorized_map runs as 'loop' for %s: %s on "
-                    "oneDNN's CPU kernels can crash TF 2.20 (a segmentation fault)",
+    logging.warning("per_example: general_path=vectorized_map runs as 'loop' for %s: %s",
                     getattr(model, "name", type(model).__name__), reason)
   return "loop"
 
 
-def _crash_ops(model, batch, one_example) -> list:
-  """`kernels.crash_ops_in` the graph of `one_example` on one example; cached per model."""
-  if model in _CRASH_OPS:
-    return _CRASH_OPS[model]
+def _op_types(model, batch, one_example) -> frozenset:
+  """`kernels.op_types_in` the graph of `one_example` on one example; cached per model."""
+  if model in _OP_TYPES:
+    return _OP_TYPES[model]
   spec = tf.nest.map_structure(
       lambda t: tf.TensorSpec([1] + list(t.shape[1:]), t.dtype), batch)
   try:
     graph = tf.function(one_example, autograph=False).get_concrete_function(spec).graph
-    found = kernels.crash_ops_in(graph)
+    found = kernels.op_types_in(graph)
   except Exception:  # pylint: disable=broad-except
-    found = []  # It fails to trace on one example: the path itself raises, as it would have.
-  _CRASH_OPS[model] = found
+    found = frozenset()  # It fails to trace on one example: the path itself raises, as it would.
+  _OP_TYPES[model] = found
   return found
 
 

@@ -63,7 +63,7 @@ def pfor_crashes_on(layers) -> bool:
 
   TF 2.20 with oneDNN's CPU kernels on segfaults (SIGSEGV, B >= 2) when pfor vectorizes a
   forward pass through Keras MultiHeadAttention (its EinsumDense projections and attention
-  einsums); reproduced without microstep. A cheap check by class; `crash_ops_in` finds the
+  einsums); reproduced without microstep. A cheap check by class; `op_types_in` finds the
   same ops in any layer's graph. Python only.
   """
   if not pfor_crash_possible():
@@ -73,11 +73,26 @@ def pfor_crashes_on(layers) -> bool:
   return any(isinstance(layer, attention) for layer in layers)
 
 
-def crash_ops_in(graph) -> list:
-  """The sorted `PFOR_CRASH_OPS` types in `graph` (a tf.Graph), its nested functions included
-  (while-loop bodies, cond branches). Python only, on a traced graph."""
+# Ops whose pfor form XLA cannot compile: pfor turns a while loop (an RNN layer's) into loops
+# over TensorLists with conds on DT_VARIANT ("tf2xla conversion failed"; TF 2.20, found by a
+# probe on 2026-12-07). Only at compile time, inside the compiled step: no fallback can catch it.
+PFOR_XLA_FAILS_OPS = frozenset({"While", "StatelessWhile"})
+
+
+def op_types_in(graph) -> frozenset:
+  """The op types in `graph` (a tf.Graph), its nested functions included (while-loop bodies,
+  cond branches). Python only, on a traced graph."""
   definition = graph.as_graph_def()
   nodes = list(definition.node)
   for function in definition.library.function:
     nodes.extend(function.node_def)
-  return sorted({node.op for node in nodes} & PFOR_CRASH_OPS)
+  return frozenset(node.op for node in nodes)
+
+
+def in_xla_context() -> bool:
+  """Whether the graph being traced is compiled by XLA (`jit_compile`, a TPU's replicated step);
+  False eagerly."""
+  if tf.executing_eagerly():
+    return False
+  from tensorflow.python.ops import control_flow_util  # pylint: disable=g-import-not-at-top
+  return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
