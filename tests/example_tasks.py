@@ -325,6 +325,23 @@ class WithDropout(NoMetrics):
                              keras.layers.Dropout(0.5), keras.layers.Dense(2)])
 
 
+class NoiseKeptByTheTask(NoMetrics):
+  """Input noise from a SeedGenerator and a GaussianNoise layer that the task keeps, not the
+  model: a resumed run must draw the noise an uninterrupted one draws."""
+
+  def build_model(self):
+    self.noise = keras.random.SeedGenerator(7)
+    self.augment = [keras.layers.GaussianNoise(0.3, seed=3)]
+    return _mlp()
+
+  def per_example_loss(self, model, batch, training):
+    x = batch["x"]
+    if training:
+      x = self.augment[0](x + 0.5 * keras.random.normal(tf.shape(x), seed=self.noise),
+                          training=True)
+    return base_task.LossOutput(loss=_xent(model, {"x": x, "y": batch["y"]}, training)[0])
+
+
 class _CountingScale(keras.layers.Layer):
   """A scale of its own (`add_weight`: no direct formula, the general path) that counts its
   training calls and keeps a running mean of its input: state written in the forward."""

@@ -632,10 +632,16 @@ def test_a_run_over_slow_python_records_exits_when_done_and_when_stopped(tmp_pat
   assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
 
 
-def test_dropout_masks_resume_bitwise(tmp_path):
-  """The random layers' generator state is in the checkpoint: the masks continue, not restart."""
-  extra = ("task=example_tasks:WithDropout", *DETERMINISTIC)
+@pytest.mark.parametrize("task", ["WithDropout", "NoiseKeptByTheTask"])
+def test_dropout_masks_resume_bitwise(tmp_path, task):
+  """The random layers' generator state is in the checkpoint: the masks continue, not restart.
+  Also the generators a task keeps outside its model (they were left out until 2026-12-07)."""
+  extra = (f"task=example_tasks:{task}", *DETERMINISTIC)
   helpers.assert_resume_is_bitwise(tmp_path, RECIPE, *extra)
+  keys = tf.train.load_checkpoint(str(tmp_path / "full" / "checkpoints" / "ckpt-6")
+                                  ).get_variable_to_shape_map()
+  kept = sorted(k.split("/")[1] for k in keys if k.startswith("rng/task-"))
+  assert kept == ([] if task == "WithDropout" else ["task-000", "task-001"]), kept
 
 
 # ---------------------------------------------------------------------------- divergence ------

@@ -92,7 +92,8 @@ class GradCache:
   def __init__(self, task, model, *, micro_steps: int, num_replicas: int, seed: int):
     self.task, self.model = task, model
     self.micro_steps, self.num_replicas, self.seed = micro_steps, num_replicas, seed
-    self._states = replica_state.seed_states(model)
+    self._states = (replica_state.seed_states(model)
+                    + replica_state.task_seed_states(task, model))
 
   def _represent(self, batch, update, micro_step, replica):
     seeded(self._states, self.seed, update, micro_step, replica, self.num_replicas,

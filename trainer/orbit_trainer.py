@@ -157,6 +157,8 @@ class Trainer(orbit.StandardTrainer):
     # The random layers' generator states (not in model.weights): resumed dropout masks are
     # the ones an uninterrupted run draws.
     rng = {f"{i:03d}": s.value for i, s in enumerate(replica_state.seed_states(self.model))}
+    rng.update({f"task-{i:03d}": s.value for i, s in enumerate(
+        replica_state.task_seed_states(self.task, self.model))})  # (Generators the task keeps.)
     items = dict(weights=weights, rng=rng, model=self.model, optimizer=self.optimizer,
                  global_step=self.global_step,
                  micro_batches_seen=self.micro_batches_seen, skipped_updates=self.skipped_updates,
