@@ -71,6 +71,12 @@ CASES = [
     ("negative learning rate", {"optimizer.learning_rate": -1.0}, None,
      "`optimizer.learning_rate`=-1.0 must be a number > 0"),
     ("momentum >= 1", {"optimizer.momentum": 1.5}, None, "`optimizer.momentum`=1.5 must be in [0, 1)"),
+    # Adam and AdamW ignored them without a word (a probe, 2026-12-07).
+    ("momentum with adam", {"optimizer.name": "adam", "optimizer.momentum": 0.9}, None,
+     "`optimizer.momentum`=0.9 applies to `optimizer.name`=sgd only; with adam, "
+     "`optimizer.beta_1` plays its part (allowed: 0.0, or `optimizer.name`=sgd)"),
+    ("nesterov with adamw", {"optimizer.name": "adamw", "optimizer.nesterov": True}, None,
+     "`optimizer.nesterov`=True applies to `optimizer.name`=sgd only"),
     # Keras' seeding raised a traceback (a probe, 2026-12-07).
     ("seed beyond 32 bits", {"seed": 2**32}, None,
      "`seed`=4294967296 is too large; allowed: 0 to 4294967295"),

@@ -315,8 +315,7 @@ def test_a_checkpoint_of_another_model_is_the_last_line(tmp_path):
 
 
 @pytest.mark.parametrize("name,before,after,refused", [
-    ("sgd", 0.9, 0.0, True), ("sgd", 0.0, 0.9, True), ("sgd", 0.9, 0.95, False),
-    ("adam", 0.0, 0.9, False)])  # Adam keeps no momentum slots: the field means nothing there.
+    ("sgd", 0.9, 0.0, True), ("sgd", 0.0, 0.9, True), ("sgd", 0.9, 0.95, False)])
 def test_sgd_momentum_may_change_but_not_appear_or_vanish(tmp_path, name, before, after,
                                                           refused):
   """Momentum 0.9 -> 0 used to resume silently without the momentum slots."""

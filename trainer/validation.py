@@ -125,6 +125,13 @@ def validate(config) -> None:
     _number(config, field, 0, integer=False)
   if config.optimizer.momentum >= 1:
     raise ConfigError(f"`optimizer.momentum`={config.optimizer.momentum} must be in [0, 1)")
+  if config.optimizer.name != "sgd":  # Keras' Adam and AdamW take neither: it was ignored.
+    for field, unset in (("momentum", 0.0), ("nesterov", False)):
+      if config.optimizer[field] != unset:
+        raise ConfigError(
+            f"`optimizer.{field}`={config.optimizer[field]!r} applies to `optimizer.name`=sgd "
+            f"only; with {config.optimizer.name}, `optimizer.beta_1` plays its part (allowed: "
+            f"{unset!r}, or `optimizer.name`=sgd)")
   if config.eval_steps != -1:
     _number(config, "eval_steps", 1)
   if config.cpu_replicas and config.strategy != "mirrored":
