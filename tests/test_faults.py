@@ -159,7 +159,7 @@ def test_sigterm_checkpoints_and_exits_with_the_preempted_code(tmp_path):
   latest = tf.train.latest_checkpoint(str(tmp_path / "checkpoints"))
   step = int(latest.rsplit("-", 1)[1])
   assert step >= 1
-  assert _summary_steps(str(tmp_path), "per_example/") == set(range(step))  # Updates 0..step-1.
+  assert _summary_steps(str(tmp_path), "per_example/") == set(range(1, step + 1))
   # The stopped loop's own scalars too (Orbit writes them after its actions, where the stop was
   # raised: the last loop's loss was missing).
   assert set(range(1, step + 1)) == _summary_steps(str(tmp_path), "loss"), step

@@ -36,7 +36,8 @@ def test_statistics_every_n_updates(tmp_path, replicas, k):
   _, trainer, _, events = _train_with_summaries(tmp_path, overrides, 5)
   for name in ("gns", "diversity", "mean_norm", "mean_cosine", "grad_norm", "trace", "norms",
                "cosines"):
-    assert [step for step, _ in events[f"per_example/{name}"]] == [0, 2, 4], name
+    # Updates 1, 3 and 5 (counted from 1, as TensorBoard's steps of the loss and grad_norm).
+    assert [step for step, _ in events[f"per_example/{name}"]] == [1, 3, 5], name
   assert all(0.0 < float(c) <= 1.0 for _, c in events["per_example/mean_cosine"])
   examples = 16 * k  # Norms and diversity cover every example of the update.
   assert all(1.0 / examples <= float(d) for _, d in events["per_example/diversity"])
@@ -134,7 +135,7 @@ def test_examples_of_weight_zero_are_left_out_of_the_statistics(tmp_path, replic
 def _assert_events_equal(events, expected):
   for name, value in expected.items():
     (step, got), = events[f"per_example/{name}"]
-    assert step == 0
+    assert step == 1
     if name in ("cosines", "norms"):  # Histograms: compare the bucket limits' range.
       got_values = got  # [buckets, 3]: left edge, right edge, count.
       assert got_values[:, 2].sum() == len(value)

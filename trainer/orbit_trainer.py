@@ -307,8 +307,10 @@ class Trainer(orbit.StandardTrainer):
     outputs = update.first_replica(
         self.strategy, self.strategy.run(self._update_step_fn, args=(next(iterator),)))
     if self.statistics.enabled:
+      # At the update's count, the step of the loss and `grad_norm` it sits beside in
+      # TensorBoard (it was one behind them until 2026-12-07: a probe).
       self.statistics.write(self.statistics.active(self.global_step), outputs[3], outputs[4],
-                            self.global_step)
+                            self.global_step + 1)
     self._count(*outputs[:3])
 
   def _count(self, scalars, grad_norm, applied):

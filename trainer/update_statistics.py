@@ -253,7 +253,8 @@ class UpdateStatistics:
 
   # --- Cross-replica context (traced).
   def write(self, active, scalars, gathered, step) -> None:
-    """TensorBoard summaries of one update, when `active`."""
+    """TensorBoard summaries of one update, when `active`, at `step`: the count of updates
+    with this one, where TensorBoard shows the update's loss."""
     def write():
       named = dict(zip([n for n in SCALARS if n != "mean_cosine"], tf.unstack(scalars)))
       counted = gathered[:, 2]  # Examples of weight 0 are left out (a cosine to 0 is none).
