@@ -375,16 +375,29 @@ def newest_number(directory: str) -> int:
   return found[0][0] if found else NO_CHECKPOINT
 
 
+def _mean_over_workers(strategy, values: list):
+  """The mean of `values` (float64) over every replica of every worker, the same on each
+  (eager; one collective, which every worker must call at the same point)."""
+  value = tf.constant(values, tf.float64)
+  return tf.function(lambda: strategy.reduce(
+      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: value), axis=None))().numpy()
+
+
 def workers_agree(strategy, number: int) -> bool:
   """Whether every worker holds the same integer `number` (eager; one collective on all, which
   every worker must call at the same point). True off MultiWorkerMirrored."""
   if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
     return True
-  value = tf.constant(float(number), tf.float64)
-  moments = tf.function(lambda: strategy.reduce(   # Every worker gets the same answer.
-      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: tf.stack([value, value * value])),
-      axis=None))().numpy()
+  moments = _mean_over_workers(strategy, [float(number), float(number) ** 2])
   return moments[1] - moments[0] ** 2 <= 0.1  # Integers: a disagreement gives >= 0.25.
+
+
+def chief_says(strategy, flag: bool, chief: bool) -> bool:
+  """The chief's `flag` on every worker (eager; one collective under MultiWorkerMirrored, which
+  every worker must call at the same point; the other workers' flags are not read)."""
+  if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+    return flag
+  return float(_mean_over_workers(strategy, [1.0 if flag and chief else 0.0])[0]) > 0
 
 
 def check_workers_agree(strategy, number: int, what: str) -> None:

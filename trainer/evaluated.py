@@ -21,6 +21,7 @@ import numpy as np
 import orbit
 import tensorflow as tf
 
+from trainer import checkpointing
 from trainer import workdir as workdir_lib
 
 FILE = "evaluated.json"
@@ -72,10 +73,7 @@ def already_evaluated(strategy, workdir: str, update: int, model, chief: bool) -
   known = _read(workdir) if chief else None
   done = (isinstance(known, dict) and known.get("update") == update
           and known.get("weights_sha256") == weights_digest(model))
-  if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
-    flag = tf.constant(1.0 if done else 0.0)
-    done = float(tf.function(lambda: strategy.reduce(  # Only the chief's flag can be 1.
-        tf.distribute.ReduceOp.MEAN, strategy.run(lambda: flag), axis=None))()) > 0
+  done = checkpointing.chief_says(strategy, done, chief)
   if done:
     logging.info("update %d was evaluated already, with these weights (%s): not again",
                  update, os.path.join(workdir, FILE))

@@ -82,5 +82,5 @@ class PreemptionWatcher:
     path = (self._manager.save(checkpoint_number=step, check_interval=False)
             or self._manager.latest_checkpoint)
     logging.warning("stopping: saved %s at update %d", path, step)
-    raise shutdown.stop(
-        signum, f"stopped by {shutdown.stop_name(signum)}; checkpoint written at update {step}, rerun to resume")
+    raise shutdown.stop(signum, f"stopped by {shutdown.stop_name(signum)}; checkpoint written "
+                                f"at update {step}, rerun to resume")

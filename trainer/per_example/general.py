@@ -109,14 +109,13 @@ def _chosen_path(model, batch, general_path, one_example=None) -> str:
   if any(isinstance(t, (tf.RaggedTensor, tf.SparseTensor)) for t in tf.nest.flatten(batch)):
     return "loop"
   crash = "on oneDNN's CPU kernels can crash TF 2.20 (a segmentation fault)"
-  if one_example is not None and kernels.in_xla_context() and (
-      _op_types(model, batch, one_example) & kernels.PFOR_XLA_FAILS_OPS):
+  op_types = lambda: (frozenset() if one_example is None  # Traced only when asked (cached).
+                      else _op_types(model, batch, one_example))
+  if kernels.in_xla_context() and op_types() & kernels.PFOR_XLA_FAILS_OPS:
     reason = "pfor's form of a while loop (an RNN layer's) does not compile with XLA"
   elif kernels.pfor_crashes_on(flat_layers(model)):
     reason = f"pfor through Keras attention {crash}"
-  elif one_example is not None and kernels.pfor_crash_possible() and (
-      _op_types(model, batch, one_example) & kernels.PFOR_CRASH_OPS):
-    found = sorted(_op_types(model, batch, one_example) & kernels.PFOR_CRASH_OPS)
+  elif kernels.pfor_crash_possible() and (found := sorted(op_types() & kernels.PFOR_CRASH_OPS)):
     reason = f"pfor through batched matmuls ({', '.join(found)}) in the model {crash}"
   else:
     return general_path
