@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import example_tasks
 import helpers
+from trainer import base_task
 from trainer import errors
 from trainer import run
 
@@ -208,3 +209,74 @@ def test_resuming_by_iterator_refuses_a_pipeline_tensorflow_cannot_save(tmp_path
       r"^`data\.resume`=iterator but TensorFlow cannot save the tf\.data source's iterator "
       r"\(RandomUniform is stateful: Python or random state, e\.g\. .*\); allowed: auto or skip$")):
     _train(FromSource(_augmented()), tmp_path, **{"data.resume": "iterator"})
+
+
+class NestedFields(example_tasks.NoMetrics):
+  """Elements {"feat": {"a": [6], "b": [6]}, "y"}, the layout of many tfds datasets, or the same
+  fields flat ({"a", "b", "y"})."""
+
+  def __init__(self, config, nested=True, tf_data=True):
+    super().__init__(config)
+    self.nested, self.tf_data = nested, tf_data
+
+  def build_model(self):
+    import keras  # pylint: disable=g-import-not-at-top
+    a, b = keras.Input((6,), name="a"), keras.Input((6,), name="b")
+    joined = keras.layers.Concatenate()([a, b])
+    return keras.Model({"a": a, "b": b}, keras.layers.Dense(2)(joined))
+
+  def _data(self, n, seed):
+    arrays = example_tasks._arrays(n, seed)  # pylint: disable=protected-access
+    fields = {"a": arrays["x"][:, :6], "b": arrays["x"][:, 6:]}
+    data = {"feat": fields, "y": arrays["y"]} if self.nested else dict(fields, y=arrays["y"])
+    return (lambda: tf.data.Dataset.from_tensor_slices(data)) if self.tf_data else data
+
+  def train_data(self):
+    return self._data(200, 1)
+
+  def eval_data(self):
+    return self._data(41, 2)
+
+  def per_example_loss(self, model, batch, training):
+    inputs = batch["feat"] if self.nested else {"a": batch["a"], "b": batch["b"]}
+    logits = model(inputs, training=training)
+    return base_task.LossOutput(
+        loss=tf.nn.sparse_softmax_cross_entropy_with_logits(labels=batch["y"], logits=logits))
+
+
+def test_a_tf_data_source_of_nested_dicts_trains_and_evaluates_as_the_flat_one(tmp_path):
+  # As evaluation data it failed at start with a TypeError traceback (padding the last batch
+  # took the inner dict for a tensor; a probe, 2026-12-07).
+  results = [_train(NestedFields(None, nested=nested), tmp_path / str(nested),
+                    mode="train_and_eval", eval_every=4, strategy="mirrored", cpu_replicas=2)["eval"]
+             for nested in (True, False)]
+  assert results[0]["examples"] == 41
+  assert results[0] == results[1]
+
+
+def test_nested_dicts_of_arrays_are_one_line_naming_the_field(tmp_path):
+  with pytest.raises(errors.DataError, match=r"^train_data\(\) field 'feat' is a dict; a dict "
+                                             r"of arrays is flat"):
+    _train(NestedFields(None, tf_data=False), tmp_path)
+
+
+class StringLabels(example_tasks.NoMetrics):
+  """Labels "0"/"1" as strings, into Keras' loss, which casts them inside the step."""
+
+  def train_data(self):
+    arrays = example_tasks._arrays(200, 1)  # pylint: disable=protected-access
+    return dict(arrays, y=arrays["y"].astype(str))
+
+  def per_example_loss(self, model, batch, training):
+    import keras  # pylint: disable=g-import-not-at-top
+    logits = model(batch["x"], training=training)
+    return base_task.LossOutput(loss=keras.losses.sparse_categorical_crossentropy(
+        batch["y"], logits, from_logits=True))
+
+
+def test_string_labels_are_one_line_naming_the_kernel(tmp_path):
+  # An UnimplementedError ("Cast string to int64 is not supported") was a 100-line traceback,
+  # exit 1 (a probe, 2026-12-07).
+  with pytest.raises(errors.DataError, match=r"^TensorFlow rejected a batch at \S+: Cast string "
+                                             r"to int64 is not supported .*strings where numbers"):
+    _train(StringLabels(None), tmp_path)

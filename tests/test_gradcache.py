@@ -17,6 +17,7 @@ from trainer import collectives
 from trainer import errors
 from trainer import gradcache
 from trainer import replica_state
+from trainer import run
 from trainer import sources
 from trainer.tasks import batch_losses
 
@@ -179,3 +180,17 @@ def test_gathered_representations_keep_the_stream_order(tmp_path):
   ref_weights, _ = helpers.reference_run(config, initial,
                                          helpers.update_batches(config, 3, task), task)
   assert helpers.max_abs_diff(weights, ref_weights) <= 1e-6
+
+
+def test_a_batch_loss_evaluates_the_same_on_one_and_two_replicas(tmp_path):
+  # Each replica's half of the evaluation batch was its own batch (a probe, 2026-12-07: loss
+  # 4.69 on one device, 4.00 on two, the loss of batches half as large).
+  def config(**more):
+    return helpers.tiny_config(**{"task": "contrastive_pairs", "accumulation.mode": "gradcache",
+                                  "train_steps": 2, "triplet.embedding_dim": 8, **more})
+  run.run(config(mode="train"), str(tmp_path))
+  one = run.run(config(mode="eval"), str(tmp_path))["eval"]
+  two = run.run(config(mode="eval", strategy="mirrored", cpu_replicas=2), str(tmp_path))["eval"]
+  assert one["examples"] == two["examples"] == 64
+  for name in ("loss", "pair_accuracy"):
+    assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name

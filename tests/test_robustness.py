@@ -523,6 +523,35 @@ def test_resuming_with_a_different_batch_size_is_refused_naming_it(tmp_path):
   assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-4")
 
 
+@pytest.mark.parametrize("before,after,field", [
+    ({"optimizer.name": "sgd"}, {"optimizer.name": "adam"}, "optimizer.name"),
+    ({"optimizer.name": "sgd"}, {"optimizer.name": "sgd", "optimizer.momentum": 0.9},
+     "optimizer.momentum"),
+    ({}, {"mixed_precision": "mixed_float16"}, "mixed_precision")])
+def test_a_change_that_adds_state_is_refused_even_when_allowed(tmp_path, before, after, field):
+  # The guard offered allow_config_change, and the restore then refused the checkpoint as
+  # another model's: a dead end (a probe, 2026-12-07). The other way drops state and resumes.
+  base = {"train_steps": 2, "steps_per_loop": 2, "checkpoint_every": 2, "mode": "train"}
+  run.run(helpers.tiny_config(**base, **before), str(tmp_path / "adds"))
+  for allow in ("", field):
+    with pytest.raises(errors.ConfigError, match=(
+        rf"changed `{field}` \(.*\): the new config keeps .*, which its checkpoints do not hold, "
+        "so no run can resume from them; use a fresh workdir")):
+      run.run(helpers.tiny_config(**dict(base, train_steps=4, allow_config_change=allow),
+                                  **after), str(tmp_path / "adds"))
+  run.run(helpers.tiny_config(**base, **after), str(tmp_path / "drops"))
+  resumed = run.run(helpers.tiny_config(**dict(base, train_steps=4, allow_config_change=field),
+                                        **before), str(tmp_path / "drops"))
+  assert resumed["global_step"] == 4
+
+
+def test_an_unknown_field_in_allow_config_change_is_one_line(tmp_path):
+  with pytest.raises(errors.ConfigError, match=r"^`allow_config_change`='batch_sise': "
+                                               r"'batch_sise' is no field the restart guard "
+                                               r"checks; allowed: task, model, batch_size"):
+    run.run(helpers.tiny_config(allow_config_change="batch_sise"), str(tmp_path))
+
+
 def test_resume_guard_fields(tmp_path):
   base = {"train_steps": 2, "steps_per_loop": 2, "checkpoint_every": 2, "mode": "train"}
   run.run(helpers.tiny_config(**base), str(tmp_path))

@@ -68,6 +68,7 @@ from typing import Any, Callable, Optional, Sequence
 import keras
 import tensorflow as tf
 
+from trainer import autograph
 from trainer import errors
 from trainer import loss_call
 
@@ -153,9 +154,10 @@ class BatchLossTask(Task):
 
   With `accumulation.mode = "gradcache"` the update's loss is `batch_loss` of the
   representations of EVERY example of the update (all micro-batches, all replicas, in stream
-  order), and its gradient is exact at micro-batch memory. With the plain `sum` mode, and for
-  evaluation, each (micro-)batch gets its own `batch_loss` (`per_example_loss` below): the
-  averaging that is NOT the big batch's gradient, kept for comparison.
+  order), and its gradient is exact at micro-batch memory. With the plain `sum` mode each
+  replica's micro-batch gets its own `batch_loss` (`per_example_loss` below): the averaging that
+  is NOT the big batch's gradient, kept for comparison. Evaluation takes `batch_loss` of each
+  global evaluation batch, gathered from every replica.
   """
 
   def represent(self, model, batch: dict, training: bool) -> dict:
@@ -178,7 +180,7 @@ class BatchLossTask(Task):
 # The framework's side of the contract: microstep calls these, tasks do not.
 def batch_loss_of(task, representations, valid) -> BatchLossOutput:
   """`task.batch_loss`, checked against the contract (traced, any context)."""
-  out = task.batch_loss(representations, valid)
+  out = autograph.task_code(task.batch_loss)(representations, valid)
   name = type(task).__name__
   if not isinstance(out, BatchLossOutput):
     raise errors.TaskError(f"{name}.batch_loss returned {type(out).__name__}; expected "
@@ -192,11 +194,17 @@ def batch_loss_of(task, representations, valid) -> BatchLossOutput:
   return out
 
 
-def weighted_outputs(task, model, batch: dict, training: bool):
+_GATHERED_VALID = "__microstep_valid__"  # The validity mask, gathered beside the representations.
+
+
+def weighted_outputs(task, model, batch: dict, training: bool, gather=None):
   """Runs `task.per_example_loss` on a batch from `trainer.data`; traced, replica context.
 
   Removes the framework's validity mask (`trainer.sources.VALID_KEY`) from the batch, multiplies it
-  into the task's weights, and checks the task's output against the contract.
+  into the task's weights, and checks the task's output against the contract. A BatchLossTask's
+  `batch_loss` takes this replica's representations, or with `gather` (a function of a dict of
+  [b, ...] fields, e.g. `gradcache.gathered_over_replicas`) what it returns; every row of this
+  replica then gets that loss.
 
   Returns:
     (loss [B] float32, weight [B] float32, [metric [B] float32 per name in task.metric_names]).
@@ -207,14 +215,19 @@ def weighted_outputs(task, model, batch: dict, training: bool):
   if isinstance(task, BatchLossTask):  # Its own batch's loss, for every example of the batch.
     with loss_call.fields_named(task, "represent", features, training):
       represented = loss_call.variables_outside_noted(
-          task, model, "represent", lambda: task.represent(model, features, training=training))
-    out = batch_loss_of(task, represented, valid)
+          task, model, "represent",
+          lambda: autograph.task_code(task.represent)(model, features, training=training))
+    if gather is None:
+      out = batch_loss_of(task, represented, valid)
+    else:
+      everything = gather(dict(represented, **{_GATHERED_VALID: valid}))
+      out = batch_loss_of(task, everything, everything.pop(_GATHERED_VALID))
     fill = lambda value: tf.fill(tf.shape(valid), tf.cast(value, tf.float32))
     return fill(out.loss), valid, [fill(out.metrics[m]) for m in task.metric_names]
   with loss_call.fields_named(task, "per_example_loss", features, training):
     out = loss_call.variables_outside_noted(
         task, model, "per_example_loss",
-        lambda: task.per_example_loss(model, features, training=training))
+        lambda: autograph.task_code(task.per_example_loss)(model, features, training=training))
   name = type(task).__name__
   if not isinstance(out, LossOutput):
     raise errors.TaskError(f"{name}.per_example_loss returned {type(out).__name__}; expected "

@@ -379,8 +379,9 @@ def _mean_over_workers(strategy, values: list):
   """The mean of `values` (float64) over every replica of every worker, the same on each
   (eager; one collective, which every worker must call at the same point)."""
   value = tf.constant(values, tf.float64)
-  return tf.function(lambda: strategy.reduce(
-      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: value), axis=None))().numpy()
+  mean = tf.function(lambda: strategy.reduce(
+      tf.distribute.ReduceOp.MEAN, strategy.run(lambda: value), axis=None), autograph=False)
+  return mean().numpy()
 
 
 def workers_agree(strategy, number: int) -> bool:

@@ -26,6 +26,7 @@ from typing import Optional
 
 import tensorflow as tf
 
+from trainer import autograph
 from trainer import base_task
 from trainer import errors
 from trainer import sources
@@ -86,7 +87,7 @@ def batch_at(source: base_task.ExampleSource, positions, *, seed: int, shuffle: 
   """
   positions = tf.convert_to_tensor(positions, tf.int64)
   ids = shuffled_ids(positions, source.num_examples, seed, shuffle)
-  batch = dict(_checked(source.take(ids, positions), "train data"))
+  batch = dict(_checked(autograph.task_code(source.take)(ids, positions), "train data"))
   batch[sources.VALID_KEY] = tf.ones(tf.shape(positions), tf.float32)
   return batch
 
@@ -96,6 +97,7 @@ def train_stream(input_context, source: base_task.ExampleSource, global_batch: i
   """Per-replica training batches of global micro-batches start_batch, ... (host)."""
   local = local_replicas(input_context)
 
+  @autograph.library
   def make_batch(chunk):
     positions = replica_positions(chunk, input_context, global_batch)
     return batch_at(source, positions, seed=seed, shuffle=shuffle)
@@ -113,11 +115,12 @@ def eval_stream(input_context, source: base_task.ExampleSource, global_batch: in
   local = local_replicas(input_context)
   steps = eval_steps(source, global_batch) if num_batches is None else num_batches
 
+  @autograph.library
   def make_batch(chunk):
     positions = replica_positions(chunk, input_context, global_batch)
     valid = positions < source.num_examples
     ids = tf.minimum(positions, source.num_examples - 1)
-    batch = dict(_checked(source.take(ids, positions), "eval data"))
+    batch = dict(_checked(autograph.task_code(source.take)(ids, positions), "eval data"))
     batch[sources.VALID_KEY] = tf.cast(valid, tf.float32)
     return batch
   chunks = tf.data.Dataset.range(0, steps * local)
@@ -132,6 +135,7 @@ def eval_steps(source, global_batch: int) -> int:
 
 
 # ---------------------------------------------------------------- tf.data factories -----------
+@autograph.library
 def _mark_valid(*parts):
   # Dataset.map passes a tuple element's parts as separate arguments: check the tuple whole.
   batch = dict(_checked(parts[0] if len(parts) == 1 else parts, "tf.data source"))
@@ -182,7 +186,7 @@ def _pad_to(batch, size: int):
       return tf.pad(t, padding)
     padding = [[0, missing]] + [[0, 0]] * (t.shape.rank - 1)
     return tf.ensure_shape(tf.pad(t, padding), [size] + t.shape[1:])
-  return {k: pad(v) for k, v in batch.items()}
+  return tf.nest.map_structure(pad, batch)  # (Nested dicts too: `tfds` features often are.)
 
 
 def factory_eval_stream(input_context, factory: sources.DatasetFactory,
@@ -195,10 +199,10 @@ def factory_eval_stream(input_context, factory: sources.DatasetFactory,
   local = local_replicas(input_context)
   per_replica = input_context.get_per_replica_batch_size(global_batch)
   batches = factory.dataset(input_context).batch(per_replica).map(
-      lambda *parts: _pad_to(_mark_valid(*parts), per_replica))
+      autograph.library(lambda *parts: _pad_to(_mark_valid(*parts), per_replica)))
   if local > 1:
-    empty = batches.take(1).map(
-        lambda b: {k: (tf.zeros_like(v) if k == sources.VALID_KEY else v) for k, v in b.items()})
+    empty = batches.take(1).map(autograph.library(
+        lambda b: {k: (tf.zeros_like(v) if k == sources.VALID_KEY else v) for k, v in b.items()}))
     batches = (batches.concatenate(empty.repeat(local - 1))
                .batch(local, drop_remainder=True).unbatch())
   return _with_options(batches)

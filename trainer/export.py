@@ -116,7 +116,7 @@ def _read_inputs(model, spec):
     return spec
   spec = {name: tf.TensorSpec(v.shape, v.dtype, name=name) for name, v in spec.items()}
   graph = tf.function(lambda inputs: model(inputs, training=False),
-                      input_signature=[spec]).get_concrete_function().graph
+                      input_signature=[spec], autograph=False).get_concrete_function().graph
   placeholders = dict(zip(sorted(spec), graph.inputs))  # tf.nest orders a dict by key.
   return {name: v for name, v in spec.items() if placeholders[name].consumers()} or spec
 
@@ -139,7 +139,7 @@ def recorded_signature(task, model, source, batch_size: int) -> Optional[list]:
       seen.append(args)
     return call(self, *args, **kwargs)
   trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
-                      input_signature=[batch_spec(source, batch_size)])
+                      input_signature=[batch_spec(source, batch_size)], autograph=False)
   try:
     with mock.patch.object(type(model), "__call__", recording_call):
       trace.get_concrete_function()

@@ -7,11 +7,11 @@ respect to the representations only, and each micro-batch's forward is redone un
 with those gradients as output gradients. `config.accumulation.mode = "gradcache"`:
 
     update (replica context, every replica; the k micro-batches of the update as inputs)
-      pass 1, no tape:  for m in tf.range(k): r[m] = represent(batch m)         [k, b, ...]
+      pass 1, no tape:  for m < k (tf.while_loop): r[m] = represent(batch m)    [k, b, ...]
       ONE all_gather:   R = r of every replica, in stream order                  [k·R·b, ...]
       loss gradient:    L = batch_loss(R); dL/dR; keep this replica's rows       (every replica
                                                                                   computes L)
-      pass 2, tape:     for m in tf.range(k):
+      pass 2, tape:     for m < k (tf.while_loop):
                           buffers += ∂represent(batch m)/∂θ applied to dL/dr[m]  (SyncOnRead)
     then the usual update: ONE packed all-reduce, clip once, apply or skip on every replica.
 
@@ -27,6 +27,7 @@ representations. Traced, replica context, inside `strategy.run`.
 import tensorflow as tf
 
 from trainer import accumulation
+from trainer import autograph
 from trainer import base_task
 from trainer import loss_call
 from trainer import replica_state
@@ -82,6 +83,15 @@ def _unpack(packed, layout) -> dict:
   return out
 
 
+def gathered_over_replicas(fields: dict) -> dict:
+  """Every replica's [b, ...] `fields`, concatenated in replica order, which is stream order:
+  [R·b, ...]. One packed all_gather; traced, replica context. (Evaluation of a BatchLossTask:
+  its `batch_loss` sees the whole global batch, as on one device.)"""
+  packed, layout = _pack({name: t[None] for name, t in fields.items()})
+  gathered = tf.distribute.get_replica_context().all_gather(packed, axis=1)
+  return {name: t[0] for name, t in _unpack(gathered, layout).items()}
+
+
 def _differentiable(fields: dict) -> list:
   return sorted(n for n, t in fields.items() if t.dtype.is_floating)
 
@@ -100,7 +110,7 @@ class GradCache:
            self.micro_steps)
     features = {k: v for k, v in batch.items() if k != sources.VALID_KEY}
     with loss_call.in_a_name_scope("represent"):
-      return self.task.represent(self.model, features, training=True)
+      return autograph.task_code(self.task.represent)(self.model, features, training=True)
 
   def accumulate(self, batches, buffers, update, loss_scale=None, reached=None):
     """Both passes over this replica's k micro-batches; adds ∇L's share into `buffers`.
@@ -120,9 +130,11 @@ class GradCache:
     first = self._represent(take(0), update, 0, replica)
     arrays = {n: tf.TensorArray(t.dtype, size=k, element_shape=t.shape).write(0, t)
               for n, t in first.items()}
-    for m in tf.range(1, k):
+    def represent_one(m, arrays):
       reps = self._represent(take(m), update, m, replica)
-      arrays = {n: arrays[n].write(m, reps[n]) for n in arrays}
+      return m + 1, {n: arrays[n].write(m, reps[n]) for n in arrays}
+    _, arrays = tf.while_loop(lambda m, _: m < k, represent_one, (tf.constant(1), arrays),
+                              maximum_iterations=k - 1)
     local = {n: a.stack() for n, a in arrays.items()}                     # [k, b, ...]
 
     # The whole update's representations, stream order: micro-step-major, then replica.
@@ -150,7 +162,7 @@ class GradCache:
     # Pass 2: each micro-batch again, under a tape, pushing dL/dr[m] into the buffers.
     variables = self.model.trainable_variables
     zeros = tf.zeros(buffers.scalars.shape, tf.float32)
-    for m in tf.range(k):
+    def backward_one(m):
       with tf.GradientTape() as tape:
         reps = self._represent(take(m), update, m, replica)
       grads = tape.gradient([reps[n] for n in differentiable], variables,
@@ -159,6 +171,8 @@ class GradCache:
       if reached is not None:
         reached.note(g is not None for g in grads)
       buffers.add([accumulation.dense_float32(g, v) for g, v in zip(grads, variables)], zeros)
+      return m + 1
+    tf.while_loop(lambda m: m < k, backward_one, [tf.constant(0)], maximum_iterations=k)
 
     first_replica = tf.cast(tf.equal(replica, 0), tf.float32)
     metrics = [tf.cast(out.metrics[name], tf.float32) for name in self.task.metric_names]

@@ -5,7 +5,9 @@
       eval_step(iterator) x num_steps   # traced; replica context adds local Σ w·loss, Σ w, the
                                         # count of examples of nonzero weight, Σ w·metric
       eval_end()                        # eager: one cross-replica read (SUM), then ratios
-Padding examples of the last batch carry weight 0, so the whole split counts exactly once.
+Padding examples of the last batch carry weight 0, so the whole split counts exactly once. A
+BatchLossTask's `batch_loss` is over the whole global batch (one all_gather of the replicas'
+representations), so its evaluation does not depend on the number of replicas.
 A tf.data source without a known length is evaluated until it is exhausted (`num_steps=-1`).
 An evaluation that counted no example (empty source, all weights 0) is a `DataError`; one
 whose loss or a metric is NaN or infinite is a WARNING.
@@ -16,8 +18,10 @@ from absl import logging
 import orbit
 import tensorflow as tf
 
+from trainer import autograph
 from trainer import base_task
 from trainer import errors
+from trainer import gradcache
 
 
 class Evaluator(orbit.StandardEvaluator):
@@ -36,11 +40,17 @@ class Evaluator(orbit.StandardEvaluator):
     with self.strategy.scope():
       self.sums.assign(tf.zeros_like(self.sums))
 
+  @autograph.library
   def eval_step(self, iterator):
     """Cross-replica context (traced); the replica function only adds local sums."""
+    # A batch-level loss is over the whole global batch, as on one device, on any strategy.
+    gather = None
+    if isinstance(self.task, base_task.BatchLossTask) and self.strategy.num_replicas_in_sync > 1:
+      gather = gradcache.gathered_over_replicas
+
     def step(batch):
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
-                                                         training=False)
+                                                         training=False, gather=gather)
       # Padding rows (weight 0) may hold anything; they must not poison the sums. Other weights,
       # negative ones too, count as in training: sum(w * loss) / sum(w).
       counted = tf.not_equal(weight, 0.0)

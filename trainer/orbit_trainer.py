@@ -5,7 +5,7 @@
         train_loop_begin()                        # eager: reset loop sums, start the clock
         tf.while_loop over steps_per_loop:        # traced (tf.function)
           train_step(iterator):                   # cross-replica context
-            k-1 x run(micro_step, next(iterator))  # tf.range loop; replica: buffers += local sums
+            k-1 x run(micro_step, next(iterator))  # tf.while_loop; replica: buffers += local sums
             run(update_step, next(iterator))       # replica context, every replica:
               local sums of the last micro-batch + buffers (zeroed)
               ONE packed all-reduce: gradients, loss/weight/metric sums, BatchNorm statistics
@@ -15,8 +15,9 @@
             counters (global step, micro-batches, skips, loss scale)   # cross-replica, scalars
         train_loop_end()                          # eager: metrics, one log line
 
-The micro-step loop is a `tf.range` loop (a tf.while_loop), which frees each micro-step's
-activations before the next one; a Python loop would unroll k copies into the graph. Every
+The micro-step loop is a tf.while_loop, which frees each micro-step's activations before the
+next one; a Python loop would unroll k copies into the graph. The framework's code is traced
+without AutoGraph, the task's with it (`trainer.autograph`). Every
 function handed to `strategy.run` returns only tensors, so the same code runs inside TPU's
 `tpu.replicate`. With `config.xla` on, the replica functions are compiled with XLA: always the
 local forward/backward and buffer adds; the whole update where XLA has the collective (one
@@ -29,6 +30,7 @@ import orbit
 import tensorflow as tf
 
 from trainer import accumulation
+from trainer import autograph
 from trainer import base_task
 from trainer import gradcache
 from trainer import optimizers
@@ -122,7 +124,7 @@ class Trainer(orbit.StandardTrainer):
       compiled_micro_step = xla.PerReplicaCompiled(self.micro_step)
       self._micro_step_fn = lambda batch: compiled_micro_step(batch)  # A plain replica function.
     update_step = self.update_step if self.gradcache is None else self.gradcache_update_step
-    self._update_step_fn = (tf.function(update_step, jit_compile=True)
+    self._update_step_fn = (tf.function(update_step, jit_compile=True, autograph=False)
                             if self.xla.update_step else update_step)
     # With statistics on every update (and no regularisation losses, which act on the weights
     # directly), the recorded layers' gradients come from the per-example terms' sums.
@@ -294,6 +296,7 @@ class Trainer(orbit.StandardTrainer):
     return outputs + (applied, statistics, gathered)
 
   # --- Cross-replica context (traced).
+  @autograph.library
   def train_step(self, iterator):
     """One optimizer update of k micro-steps; see the module docstring."""
     if self.gradcache is not None:  # Both passes need the k micro-batches: read them first.
@@ -302,8 +305,11 @@ class Trainer(orbit.StandardTrainer):
       self._count(*update.first_replica(self.strategy, outputs))
       return
     if self.accumulation_steps > 1:
-      for _ in tf.range(self.accumulation_steps - 1):
+      def micro_step(m):
         self.strategy.run(self._micro_step_fn, args=(next(iterator),))
+        return m + 1
+      tf.while_loop(lambda m: m < self.accumulation_steps - 1, micro_step, [tf.constant(0)],
+                    maximum_iterations=self.accumulation_steps - 1)
     outputs = update.first_replica(
         self.strategy, self.strategy.run(self._update_step_fn, args=(next(iterator),)))
     if self.statistics.enabled:

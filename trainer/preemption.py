@@ -52,7 +52,8 @@ class PreemptionWatcher:
       return signum
     if self._sum_flags is None:  # Traced once: eager collectives are slow and noisy.
       self._sum_flags = tf.function(lambda flags: self._strategy.reduce(
-          tf.distribute.ReduceOp.SUM, self._strategy.run(lambda: flags), axis=None))
+          tf.distribute.ReduceOp.SUM, self._strategy.run(lambda: flags), axis=None),
+                                    autograph=False)
     noted = [float(signum == signal.SIGTERM), float(signum == signal.SIGINT)]
     term, interrupt = self._sum_flags(tf.constant(noted)).numpy()
     return signal.SIGTERM if term > 0 else (signal.SIGINT if interrupt > 0 else 0)

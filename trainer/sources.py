@@ -75,6 +75,12 @@ class DatasetFactory:
 def _check_arrays(arrays: dict, what: str) -> dict:
   if not arrays:
     raise errors.DataError(f"{what} is an empty dict; expected name -> array")
+  nested = sorted(str(k) for k, v in arrays.items() if isinstance(v, dict))
+  if nested:  # np.asarray made a 0-d object array of it, refused below as "no leading dimension".
+    raise errors.DataError(
+        f"{what} field {nested[0]!r} is a dict; a dict of arrays is flat, name -> array: "
+        f"flatten it (e.g. '{nested[0]}/...'), or return a tf.data function, whose elements "
+        "may nest")
   arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
   if VALID_KEY in arrays:
     raise errors.DataError(f"{what} has a field named {VALID_KEY!r}, which microstep reserves")

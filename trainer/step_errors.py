@@ -30,7 +30,8 @@ def explained(workdir: str, training: bool):
     raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
         "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
         "every example), on this worker at least (its shard)") from None
-  except tf.errors.InvalidArgumentError as e:
+  except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
+    # (Unimplemented: a kernel that cannot take the batch's dtype, e.g. strings cast to int64.)
     raise errors.DataError(_invalid_batch(e, workdir)) from None
   except TypeError as e:
     mixed = _HALF_MEETS_FLOAT32.search(str(e))
@@ -175,7 +176,8 @@ def _rejected_batch(message: str) -> str:
     text = text[:240] + " ..."
   where = f" at {node.group(1)}" if node else ""
   return (f"TensorFlow rejected a batch{where}: {text} (the data's values do not fit the model "
-          "or the loss: e.g. labels outside the classes, token ids outside the vocabulary)")
+          "or the loss: e.g. labels outside the classes, token ids outside the vocabulary, "
+          "strings where numbers belong)")
 
 
 # An error raised while the input pipeline produced a batch: a node of the iterator, or a

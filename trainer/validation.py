@@ -30,7 +30,9 @@ def _choice(config, field, allowed):
     raise ConfigError(f"`{field}`={value!r} unknown; allowed: {', '.join(map(str, allowed))}")
 
 
-def _number(config, field, minimum, integer=True, strict=False):
+def _number(config, field, minimum, integer=True, strict=False, also=""):
+  """`field` must be a number (an integer) >= `minimum` (> with `strict`); `also` names another
+  value the field allows, for the message (e.g. "-1 (the whole split)")."""
   value = config
   for part in field.split("."):
     value = value[part]
@@ -39,7 +41,8 @@ def _number(config, field, minimum, integer=True, strict=False):
     raise ConfigError(f"`{field}`={value!r} must be {kind}")
   if value < minimum or (strict and value == minimum):
     relation = ">" if strict else ">="
-    raise ConfigError(f"`{field}`={value!r} must be {kind} {relation} {minimum}")
+    raise ConfigError(f"`{field}`={value!r} must be {also + ' or ' if also else ''}{kind} "
+                      f"{relation} {minimum}")
 
 
 def _non_finite(node, prefix=""):
@@ -119,6 +122,8 @@ def validate(config) -> None:
   if not isinstance(config.allow_config_change, str):
     raise ConfigError(f"`allow_config_change`={config.allow_config_change!r} must be a comma "
                       "separated list of field names")
+  from trainer import workdir  # pylint: disable=g-import-not-at-top  (It imports this module.)
+  workdir.allowed_changes(config)
   _number(config, "collective_timeout_s", 0, integer=False)
   _number(config, "eval_timeout_s", 0, integer=False, strict=True)
   for field in ("optimizer.momentum", "optimizer.weight_decay", "optimizer.global_clipnorm"):
@@ -133,7 +138,7 @@ def validate(config) -> None:
             f"only; with {config.optimizer.name}, `optimizer.beta_1` plays its part (allowed: "
             f"{unset!r}, or `optimizer.name`=sgd)")
   if config.eval_steps != -1:
-    _number(config, "eval_steps", 1)
+    _number(config, "eval_steps", 1, also="-1 (the whole split)")
   if config.cpu_replicas and config.strategy != "mirrored":
     raise ConfigError(f"`cpu_replicas`={config.cpu_replicas} needs `strategy`=mirrored, "
                       f"not {config.strategy!r}")

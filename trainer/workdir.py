@@ -241,10 +241,50 @@ def _saved_config(path: str):
   return saved, None
 
 
-def check_resume(config, workdir: str) -> None:
-  """Refuses a restart whose config changes a field in RESUME_FIXED (unless allowed)."""
-  path = os.path.join(workdir, "config.json")
+def allowed_changes(config) -> set:
+  """The fields `allow_config_change` names; a name the guard never checks is a ConfigError
+  (a typo let nothing through, silently; a probe, 2026-12-07). Eager, at start."""
   allowed = {a.strip() for a in str(config.allow_config_change).split(",") if a.strip()}
+  unknown = sorted(allowed - set(RESUME_FIXED) - {"optimizer.momentum", UNCHECKED})
+  if unknown:
+    raise errors.ConfigError(
+        f"`allow_config_change`={config.allow_config_change!r}: {unknown[0]!r} is no field the "
+        f"restart guard checks; allowed: {', '.join(RESUME_FIXED)}, optimizer.momentum, "
+        f"{UNCHECKED}")
+  return allowed
+
+
+def _optimizer_state(name, momentum) -> set:
+  """The kinds of slots an optimizer keeps beside the weights: what its checkpoints hold."""
+  if name == "sgd":
+    return {"momentum"} if momentum > 0 else set()
+  return {"first and second moments"} if name in ("adam", "adamw") else set()
+
+
+def _state_added(saved, config) -> list:
+  """(field, old, new, what) of the changes whose new config keeps state that the checkpoint
+  cannot hold: no restore can resume them, whatever `allow_config_change` says."""
+  added = []
+  old_momentum = _field(saved, "optimizer.momentum")  # (Absent from an old config.json.)
+  old_slots = _optimizer_state(_field(saved, "optimizer.name"), config.optimizer.momentum
+                               if old_momentum is None else old_momentum)
+  new_slots = _optimizer_state(config.optimizer.name, config.optimizer.momentum)
+  if not new_slots <= old_slots:
+    field = ("optimizer.name" if _field(saved, "optimizer.name") != config.optimizer.name
+             else "optimizer.momentum")
+    added.append((field, _field(saved, field), _field(config, field),
+                  f"{config.optimizer.name}'s {', '.join(sorted(new_slots - old_slots))}"))
+  old_precision = _field(saved, "mixed_precision")
+  if config.mixed_precision == "mixed_float16" and old_precision not in (None, "mixed_float16"):
+    added.append(("mixed_precision", old_precision, "mixed_float16", "a loss scale"))
+  return added
+
+
+def check_resume(config, workdir: str) -> None:
+  """Refuses a restart whose config changes a field in RESUME_FIXED (unless allowed), and one
+  whose new config keeps state the checkpoints cannot hold (always)."""
+  path = os.path.join(workdir, "config.json")
+  allowed = allowed_changes(config)
   saved, problem = _saved_config(path)
   if problem is None:
     missing = [f for f in RESUME_CORE if _field(saved, f) is None]
@@ -276,6 +316,13 @@ def check_resume(config, workdir: str) -> None:
   if unchecked:
     logging.warning("resuming: %s has no %s; those fields are not checked", path,
                     ", ".join(unchecked))
+  added = [] if reading else _state_added(saved, config)
+  if added:  # (Restoring would fail on the missing slots: "another model?", a dead end.)
+    field, old, new, what = added[0]
+    raise errors.ConfigError(
+        f"resuming `--workdir`={workdir!r} with a changed `{field}` ({old!r} -> {new!r}): the "
+        f"new config keeps {what}, which its checkpoints do not hold, so no run can resume "
+        "from them; use a fresh workdir, or keep the old value")
   if changed:
     what = ", ".join(f"`{f}` ({old!r} -> {new!r})" for f, old, new in changed)
     names = ",".join(f for f, _, _ in changed)

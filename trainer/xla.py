@@ -79,5 +79,5 @@ class PerReplicaCompiled:
     ctx = tf.distribute.get_replica_context()
     replica = 0 if ctx is None else int(tf.get_static_value(ctx.replica_id_in_sync_group))
     if replica not in self._compiled:
-      self._compiled[replica] = tf.function(self._fn, jit_compile=True)
+      self._compiled[replica] = tf.function(self._fn, jit_compile=True, autograph=False)
     return self._compiled[replica](*args)

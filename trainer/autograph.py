@@ -1,0 +1,48 @@
+"""Which code AutoGraph converts: the task's, not microstep's.
+
+AutoGraph rewrites a traced function's Python `if`/`for`/`while` on tensors into TensorFlow
+control flow. It does so by parsing and re-compiling the function's source, ~0.05-0.3 s per
+function on a 2-core machine, in every process: microstep's ~40 functions of the training and
+evaluation steps cost 2-3 s of each run's start, a fifth of a smoke run (docs/benchmarks.md). microstep's own code has
+no Python control flow on tensors (its loops are explicit `tf.while_loop`s), so it is traced as
+written:
+
+  * `library` marks the framework's traced entry points (Orbit's `train_step` and
+    `eval_step`, tf.data functions). Everything they call runs unconverted, and
+    `strategy.run` does not convert the replica functions they hand it.
+  * `task_code(fn)` is how the framework calls a task's method (`per_example_loss`,
+    `represent`, `batch_loss`): converted, and what it calls recursively, exactly as it would
+    be inside a plain `tf.function`. A task may write `if tf.reduce_sum(x) > 0:`.
+
+Called at trace time (graph building), in any context; eagerly, converted code runs as Python.
+"""
+# AutoGraph's own entry points: TensorFlow has no public call that converts a function from
+# inside code AutoGraph leaves alone.
+# pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.autograph.core import ag_ctx
+from tensorflow.python.autograph.core import converter
+from tensorflow.python.autograph.impl import api
+import tensorflow as tf
+
+library = tf.autograph.experimental.do_not_convert
+
+# What a function called from `tf.function` code is converted with (its "call options").
+_AS_TF_FUNCTION_CALLEES = converter.ConversionOptions(recursive=True, optional_features=None)
+
+
+def task_code(fn):
+  """`fn` converted by AutoGraph, with its callees; as-is where AutoGraph cannot convert it.
+
+  Under `library` code AutoGraph is off, so the conversion is asked for explicitly, with the
+  options `tf.function` gives the functions it calls. An error raised inside comes out as it
+  was raised (a KeyError stays a KeyError of the missing field): `tf.function` rewrites it at
+  its own boundary, as before. microstep's own tasks and sources (module `trainer.*`) are
+  library code: returned as they are.
+  """
+  if getattr(fn, "__module__", "").startswith("trainer."):
+    return fn
+
+  def converted(*args, **kwargs):
+    with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.ENABLED):
+      return api.converted_call(fn, args, kwargs, options=_AS_TF_FUNCTION_CALLEES)
+  return converted
