@@ -545,6 +545,18 @@ def test_a_change_that_adds_state_is_refused_even_when_allowed(tmp_path, before,
   assert resumed["global_step"] == 4
 
 
+def test_an_allowed_batch_size_change_warns_that_the_stream_position_moves(tmp_path, caplog):
+  base = {"train_steps": 2, "steps_per_loop": 2, "checkpoint_every": 2, "mode": "train"}
+  run.run(helpers.tiny_config(**base), str(tmp_path))
+  with caplog.at_level("WARNING"):
+    result = run.run(helpers.tiny_config(**dict(base, train_steps=3, batch_size=32,
+                                                allow_config_change="batch_size")), str(tmp_path))
+  assert result["global_step"] == 3
+  assert ("resuming with `batch_size` 16 -> 32 (allowed): the data position and `examples_seen` "
+          "count micro-batches") in caplog.text
+  assert "the examples between the old position and the new are skipped" in caplog.text
+
+
 def test_an_unknown_field_in_allow_config_change_is_one_line(tmp_path):
   with pytest.raises(errors.ConfigError, match=r"^`allow_config_change`='batch_sise': "
                                                r"'batch_sise' is no field the restart guard "

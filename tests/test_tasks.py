@@ -463,3 +463,15 @@ def test_mode_export_writes_the_checkpointed_model(tmp_path, monkeypatch):
   assert result["global_step"] == 2 and result["export"] == str(tmp_path / "export" / "2")
   with open(tmp_path / "result.export.json") as f:
     assert json.load(f)["export"] == str(tmp_path / "export" / "2")
+
+
+def test_reading_modes_leave_a_tf_data_training_input_alone(tmp_path, caplog):
+  # mode=eval restored the training iterator, and warned about skipping micro-batches it would
+  # never draw (a probe, 2026-12-07).
+  config = lambda **more: helpers.tiny_config(**{"task": "example_tasks:Streamed",
+                                                 "train_steps": 2, "steps_per_loop": 2, **more})
+  run.run(config(mode="train"), str(tmp_path))
+  with caplog.at_level("INFO"):
+    result = run.run(config(mode="eval"), str(tmp_path))
+  assert result["global_step"] == 2 and result["eval"]["examples"] == 50
+  assert "micro-batches" not in caplog.text and "input iterator" not in caplog.text

@@ -221,7 +221,10 @@ def build(config, workdir, task=None):
 
   start = int(trainer.micro_batches_seen.numpy())
   iterator = None
-  if isinstance(train_source, sources.DatasetFactory) and _resume_iterator(config, strategy):
+  # Reading modes (eval, export) never draw training batches: no iterator to restore, no
+  # warning about one (a probe, 2026-12-07).
+  if (training and isinstance(train_source, sources.DatasetFactory)
+      and _resume_iterator(config, strategy)):
     num_workers = strategies.num_workers(strategy)
     make = lambda skip: host_iterator.HostIterator(
         strategy, lambda ctx: data.factory_train_stream(ctx, train_source, config.batch_size,
@@ -251,7 +254,7 @@ def build(config, workdir, task=None):
       iterator = make(start)
     trainer.train_dataset = iterator  # Orbit calls iter() on it: an iterator returns itself.
   else:
-    if isinstance(train_source, sources.DatasetFactory) and start:
+    if training and isinstance(train_source, sources.DatasetFactory) and start:
       logging.warning("tf.data source on %s: resuming by skipping the %d micro-batches already "
                       "consumed (no iterator checkpoints)", type(strategy).__name__, start)
     trainer.train_dataset = _train_dataset(config, strategy, train_source, start)

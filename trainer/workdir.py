@@ -330,6 +330,15 @@ def check_resume(config, workdir: str) -> None:
         f"resuming `--workdir`={workdir!r} with a changed {what}: the saved state means "
         f"something else under it; use a fresh workdir, or accept with "
         f"--config.allow_config_change={names}")
+  old_batch = _field(saved, "batch_size")
+  if not reading and old_batch is not None and old_batch != config.batch_size:  # (Allowed.)
+    effect = ("the examples between the old position and the new are skipped"
+              if config.batch_size > old_batch else "examples before the old position are seen "
+              "again")
+    logging.warning(  # (A probe found it silent, 2026-12-07.)
+        "resuming with `batch_size` %s -> %s (allowed): the data position and `examples_seen` "
+        "count micro-batches, so the run resumes at the same count of %s-example micro-batches; "
+        "%s", old_batch, config.batch_size, config.batch_size, effect)
 
 
 def note_training_start(workdir: str, restored, step: int, train_steps: int) -> None:
