@@ -48,15 +48,29 @@ class BranchingPairs(batch_losses.ContrastivePairs):
     return base_task.BatchLossOutput(loss=loss, metrics=out.metrics)
 
 
+class BranchingHistogram(batch_losses.HistogramChiSquare):
+  """A user's subclass of a built-in task overrides a helper its inherited `batch_loss` calls."""
+
+  def _soft_counts(self, values, valid):
+    counts = super()._soft_counts(values, valid)
+    if tf.reduce_any(counts < 0):
+      counts = tf.zeros_like(counts)
+    return counts
+
+
 def _final_weights(workdir):
   return helpers.checkpoint_weights(workdir)[1]
 
 
-@pytest.mark.parametrize("strategy,replicas,steps", [("default", 0, 1), ("mirrored", 2, 2)])
+@pytest.mark.parametrize("strategy,replicas,steps,more", [
+    ("default", 0, 1, {}), ("mirrored", 2, 2, {}),
+    # XLA-compiled replica functions, statistics recorded in the update's pass, fp16 scaling.
+    ("default", 0, 2, {"xla": "on", "per_example.every_steps": 1}),
+    ("default", 0, 2, {"mixed_precision": "mixed_float16"})])
 def test_a_loss_with_python_control_flow_on_tensors_trains_and_evaluates(tmp_path, strategy,
-                                                                        replicas, steps):
+                                                                        replicas, steps, more):
   config = helpers.tiny_config(**{"strategy": strategy, "cpu_replicas": replicas,
-                                  "accumulation.steps": steps, "mode": "train_and_eval"})
+                                  "accumulation.steps": steps, "mode": "train_and_eval", **more})
   results = {}
   for task_class in (example_tasks.NoMetrics, TensorBranches):
     workdir = tmp_path / task_class.__name__
@@ -69,12 +83,17 @@ def test_a_loss_with_python_control_flow_on_tensors_trains_and_evaluates(tmp_pat
     np.testing.assert_array_equal(branching["weights"][name], value, err_msg=name)
 
 
-def test_a_batch_loss_with_python_control_flow_on_tensors_trains_with_gradcache(tmp_path):
+@pytest.mark.parametrize("plain,branching", [
+    (batch_losses.ContrastivePairs, BranchingPairs),
+    (batch_losses.HistogramChiSquare, BranchingHistogram)])
+def test_a_batch_loss_with_python_control_flow_on_tensors_trains_with_gradcache(tmp_path, plain,
+                                                                                branching):
   config = helpers.tiny_config(**{"task": "contrastive_pairs", "accumulation.mode": "gradcache",
                                   "accumulation.steps": 2, "strategy": "mirrored",
-                                  "cpu_replicas": 2, "train_steps": 2})
+                                  "cpu_replicas": 2, "train_steps": 2,
+                                  "histogram.train_examples": 512})
   weights = []
-  for task in (batch_losses.ContrastivePairs(config), BranchingPairs(config)):
+  for task in (plain(config), branching(config)):
     strategy, trainer = helpers.build(config, tmp_path / type(task).__name__, task)
     trainer.train(tf.constant(2))
     weights.append(helpers.snapshot(strategy, trainer)[0])

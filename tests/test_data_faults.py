@@ -280,3 +280,12 @@ def test_string_labels_are_one_line_naming_the_kernel(tmp_path):
   with pytest.raises(errors.DataError, match=r"^TensorFlow rejected a batch at \S+: Cast string "
                                              r"to int64 is not supported .*strings where numbers"):
     _train(StringLabels(None), tmp_path)
+
+
+def test_another_unimplemented_kernel_keeps_tensorflow_s_error(tmp_path):
+  # Not the data's doing (a review, 2026-12-07): it must not read as a rejected batch, exit 2.
+  from trainer import step_errors  # pylint: disable=g-import-not-at-top
+  with pytest.raises(tf.errors.UnimplementedError, match="deterministic GPU implementation"):
+    with step_errors.explained(str(tmp_path), training=True):
+      raise tf.errors.UnimplementedError(
+          None, None, "A deterministic GPU implementation of SparseSegmentSum is not available")

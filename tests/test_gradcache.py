@@ -182,15 +182,28 @@ def test_gathered_representations_keep_the_stream_order(tmp_path):
   assert helpers.max_abs_diff(weights, ref_weights) <= 1e-6
 
 
-def test_a_batch_loss_evaluates_the_same_on_one_and_two_replicas(tmp_path):
+@pytest.mark.parametrize("task,metric", [("contrastive_pairs", "pair_accuracy"),
+                                         ("batch_hard_triplet", "triplet_accuracy")])
+def test_a_batch_loss_evaluates_the_same_on_one_and_two_replicas(tmp_path, task, metric):
   # Each replica's half of the evaluation batch was its own batch (a probe, 2026-12-07: loss
-  # 4.69 on one device, 4.00 on two, the loss of batches half as large).
+  # 4.69 on one device, 4.00 on two, the loss of batches half as large). The triplet task's
+  # representations carry int64 labels beside the float embeddings.
   def config(**more):
-    return helpers.tiny_config(**{"task": "contrastive_pairs", "accumulation.mode": "gradcache",
+    return helpers.tiny_config(**{"task": task, "accumulation.mode": "gradcache",
                                   "train_steps": 2, "triplet.embedding_dim": 8, **more})
   run.run(config(mode="train"), str(tmp_path))
   one = run.run(config(mode="eval"), str(tmp_path))["eval"]
   two = run.run(config(mode="eval", strategy="mirrored", cpu_replicas=2), str(tmp_path))["eval"]
   assert one["examples"] == two["examples"] == 64
-  for name in ("loss", "pair_accuracy"):
+  for name in ("loss", metric):
     assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
+
+
+def test_gradcache_reads_more_than_32_micro_batches_in_one_update(tmp_path):
+  # TensorFlow refuses a 33rd graph-mode `get_next` traced with AutoGraph off (it suspects a
+  # Python loop); gradcache reads k micro-batches per update on purpose (the triplet recipe:
+  # k = 128). Found by a review, 2026-12-07.
+  config = _config("contrastive_pairs", 1, **{"accumulation.steps": 40, "batch_size": 4,
+                                              "train_steps": 1})
+  trainer, _, _, _ = _train(config, tmp_path, updates=1)
+  assert int(trainer.micro_batches_seen.numpy()) == 40

@@ -203,7 +203,7 @@ def weighted_outputs(task, model, batch: dict, training: bool, gather=None):
   Removes the framework's validity mask (`trainer.sources.VALID_KEY`) from the batch, multiplies it
   into the task's weights, and checks the task's output against the contract. A BatchLossTask's
   `batch_loss` takes this replica's representations, or with `gather` (a function of a dict of
-  [b, ...] fields, e.g. `gradcache.gathered_over_replicas`) what it returns; every row of this
+  [b, ...] fields, e.g. an all_gather over the replicas) what it returns; every row of this
   replica then gets that loss.
 
   Returns:

@@ -83,15 +83,6 @@ def _unpack(packed, layout) -> dict:
   return out
 
 
-def gathered_over_replicas(fields: dict) -> dict:
-  """Every replica's [b, ...] `fields`, concatenated in replica order, which is stream order:
-  [R·b, ...]. One packed all_gather; traced, replica context. (Evaluation of a BatchLossTask:
-  its `batch_loss` sees the whole global batch, as on one device.)"""
-  packed, layout = _pack({name: t[None] for name, t in fields.items()})
-  gathered = tf.distribute.get_replica_context().all_gather(packed, axis=1)
-  return {name: t[0] for name, t in _unpack(gathered, layout).items()}
-
-
 def _differentiable(fields: dict) -> list:
   return sorted(n for n, t in fields.items() if t.dtype.is_floating)
 

@@ -7,7 +7,7 @@
       eval_end()                        # eager: one cross-replica read (SUM), then ratios
 Padding examples of the last batch carry weight 0, so the whole split counts exactly once. A
 BatchLossTask's `batch_loss` is over the whole global batch (one all_gather of the replicas'
-representations), so its evaluation does not depend on the number of replicas.
+representations), so its evaluation does not depend on the number of replicas of a machine.
 A tf.data source without a known length is evaluated until it is exhausted (`num_steps=-1`).
 An evaluation that counted no example (empty source, all weights 0) is a `DataError`; one
 whose loss or a metric is NaN or infinite is a WARNING.
@@ -21,7 +21,6 @@ import tensorflow as tf
 from trainer import autograph
 from trainer import base_task
 from trainer import errors
-from trainer import gradcache
 
 
 class Evaluator(orbit.StandardEvaluator):
@@ -42,11 +41,13 @@ class Evaluator(orbit.StandardEvaluator):
 
   @autograph.library
   def eval_step(self, iterator):
-    """Cross-replica context (traced); the replica function only adds local sums."""
-    # A batch-level loss is over the whole global batch, as on one device, on any strategy.
-    gather = None
+    """Cross-replica context (traced); the replica function adds local sums (a BatchLossTask's
+    replicas first gather their representations: one all_gather)."""
+    gather = None  # A batch-level loss is over the whole global batch, as on one device.
     if isinstance(self.task, base_task.BatchLossTask) and self.strategy.num_replicas_in_sync > 1:
-      gather = gradcache.gathered_over_replicas
+      # Every replica's rows in replica order, which is stream order; each field keeps its
+      # dtype and shape, and a replica with no rows (a MultiWorker tail) adds none.
+      gather = lambda fields: tf.distribute.get_replica_context().all_gather(fields, axis=0)
 
     def step(batch):
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
@@ -58,7 +59,7 @@ class Evaluator(orbit.StandardEvaluator):
       count = tf.reduce_sum(tf.cast(counted, tf.float32))
       self.sums.assign_add(tf.stack(
           [weighted(loss), tf.reduce_sum(weight), count] + [weighted(m) for m in metrics]))
-    self.strategy.run(step, args=(next(iterator),))
+    self.strategy.run(step, args=(autograph.next_batch(iterator),))
 
   def eval_end(self):
     with self.strategy.scope():

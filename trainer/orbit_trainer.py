@@ -300,18 +300,19 @@ class Trainer(orbit.StandardTrainer):
   def train_step(self, iterator):
     """One optimizer update of k micro-steps; see the module docstring."""
     if self.gradcache is not None:  # Both passes need the k micro-batches: read them first.
-      batches = tuple(next(iterator) for _ in range(self.accumulation_steps))
+      batches = tuple(autograph.next_batch(iterator) for _ in range(self.accumulation_steps))
       outputs = self.strategy.run(self._update_step_fn, args=batches)
       self._count(*update.first_replica(self.strategy, outputs))
       return
     if self.accumulation_steps > 1:
       def micro_step(m):
-        self.strategy.run(self._micro_step_fn, args=(next(iterator),))
+        self.strategy.run(self._micro_step_fn, args=(autograph.next_batch(iterator),))
         return m + 1
       tf.while_loop(lambda m: m < self.accumulation_steps - 1, micro_step, [tf.constant(0)],
                     maximum_iterations=self.accumulation_steps - 1)
+    last_batch = autograph.next_batch(iterator)
     outputs = update.first_replica(
-        self.strategy, self.strategy.run(self._update_step_fn, args=(next(iterator),)))
+        self.strategy, self.strategy.run(self._update_step_fn, args=(last_batch,)))
     if self.statistics.enabled:
       # At the update's count, the step of the loss and `grad_norm` it sits beside in
       # TensorBoard (it was one behind them until 2026-12-07: a probe).

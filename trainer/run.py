@@ -257,7 +257,9 @@ def build(config, workdir, task=None):
     if training and isinstance(train_source, sources.DatasetFactory) and start:
       logging.warning("tf.data source on %s: resuming by skipping the %d micro-batches already "
                       "consumed (no iterator checkpoints)", type(strategy).__name__, start)
-    trainer.train_dataset = _train_dataset(config, strategy, train_source, start)
+    # (None in reading modes, which never draw a training batch.)
+    trainer.train_dataset = (_train_dataset(config, strategy, train_source, start) if training
+                             else None)
   manager = checkpointing.create_manager(
       checkpoint, workdir, is_chief=chief, worker_id=worker_id,
       step_counter=trainer.global_step, config=config,

@@ -30,8 +30,13 @@ def explained(workdir: str, training: bool):
     raise errors.DataError(  # The training stream repeats: it ends only if it is empty.
         "the training data yields no batch: the tf.data source is empty (e.g. a filter drops "
         "every example), on this worker at least (its shard)") from None
-  except (tf.errors.InvalidArgumentError, tf.errors.UnimplementedError) as e:
-    # (Unimplemented: a kernel that cannot take the batch's dtype, e.g. strings cast to int64.)
+  except tf.errors.InvalidArgumentError as e:
+    raise errors.DataError(_invalid_batch(e, workdir)) from None
+  except tf.errors.UnimplementedError as e:
+    # Only a cast the batch's dtype cannot take (string labels into a Keras loss) is the data's;
+    # another (a deterministic kernel, an op the device lacks) keeps TensorFlow's message.
+    if not _UNCASTABLE.search(e.message or "") and not _INPUT_NODE.search(e.message or ""):
+      raise
     raise errors.DataError(_invalid_batch(e, workdir)) from None
   except TypeError as e:
     mixed = _HALF_MEETS_FLOAT32.search(str(e))
@@ -73,6 +78,7 @@ def explained(workdir: str, training: bool):
         f"resume from the last checkpoint") from e
 
 
+_UNCASTABLE = re.compile(r"Cast \w+ to \w+ is not supported")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
 _MICROSTEP = os.path.dirname(os.path.abspath(__file__))
 # Not the task's own: microstep, installed packages, Python's standard library (a TypeError

@@ -316,7 +316,7 @@ def check_resume(config, workdir: str) -> None:
   if unchecked:
     logging.warning("resuming: %s has no %s; those fields are not checked", path,
                     ", ".join(unchecked))
-  added = [] if reading else _state_added(saved, config)
+  added = _state_added(saved, config)  # (Reading modes restore the optimizer too.)
   if added:  # (Restoring would fail on the missing slots: "another model?", a dead end.)
     field, old, new, what = added[0]
     raise errors.ConfigError(
