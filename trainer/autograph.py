@@ -14,6 +14,9 @@ it is traced as written:
     `represent`, `batch_loss`, an ExampleSource's `take`): converted, and what it calls
     recursively, as inside a plain `tf.function`. A task may write `if tf.reduce_sum(x) > 0:`.
   * `next_batch(iterator)` reads a batch inside `library` code.
+  * `like_caller(fn)`: the per-example library's user callables (`loss_fn`), converted exactly
+    when their caller runs with AutoGraph on, as `tf.function` would have done. That library is
+    `library` code too (converting it cost time and a few MiB per process).
 
 Called at trace time (graph building), in any context; eagerly, converted code runs as Python.
 """
@@ -60,3 +63,10 @@ def next_batch(iterator):
   """
   with ag_ctx.ControlStatusCtx(status=ag_ctx.Status.UNSPECIFIED):
     return next(iterator)
+
+
+def like_caller(fn):
+  """`fn` converted by AutoGraph iff the calling context has AutoGraph on (tf.function's
+  default); traced or eager, any context."""
+  return tf.__internal__.autograph.tf_convert(
+      fn, tf.__internal__.autograph.control_status_ctx(), convert_by_default=False)

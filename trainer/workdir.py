@@ -310,9 +310,9 @@ def check_resume(config, workdir: str) -> None:
       changed.append((field, node, now))
   old, new = _field(saved, "optimizer.momentum"), _field(config, "optimizer.momentum")
   if (_field(saved, "optimizer.name") == "sgd" == _field(config, "optimizer.name")
-      and old is not None and new is not None and (old > 0) != (new > 0)
-      and "optimizer.momentum" not in allowed):  # SGD's momentum slots would vanish or be missing.
-    changed.append(("optimizer.momentum", old, new))
+      and old is not None and new is not None and old > 0 and not new > 0
+      and "optimizer.momentum" not in allowed):  # SGD's momentum slots would vanish. (Slots
+    changed.append(("optimizer.momentum", old, new))  # that would appear: `_state_added`.)
   if unchecked:
     logging.warning("resuming: %s has no %s; those fields are not checked", path,
                     ", ".join(unchecked))

@@ -37,6 +37,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from trainer import autograph
 from trainer.per_example import axis_rules
 from trainer.per_example import general
 from trainer.per_example import labelling
@@ -162,7 +163,7 @@ def scout(recorder, loss_fn, batch) -> None:
     return
   found = _cached(recorder.model, loss_fn, repr(specs))
   if found is None:
-    found = _trace(recorder, general.user_fn(loss_fn), specs)
+    found = _trace(recorder, autograph.like_caller(loss_fn), specs)
     _cache(recorder.model, loss_fn, repr(specs), found)
   else:
     for layer, problem in found:

@@ -61,18 +61,6 @@ class Refused(ValueError):
     self.reason = reason or message  # Without the advice meant for the library's callers.
 
 
-# Library code has no tensor-dependent Python control flow: it runs without AutoGraph (tracing
-# it with AutoGraph costs time and a few MiB per process). User callables (loss_fn) are converted
-# exactly when the caller runs with AutoGraph on, as tf.function would have done.
-no_autograph = tf.autograph.experimental.do_not_convert
-
-
-def user_fn(fn):
-  """`fn` converted by AutoGraph iff the calling context has AutoGraph on (tf.function's default)."""
-  return tf.__internal__.autograph.tf_convert(
-      fn, tf.__internal__.autograph.control_status_ctx(), convert_by_default=False)
-
-
 def check_path(general_path: str) -> None:
   if general_path not in PATHS:
     raise ValueError(f"`general_path` must be one of {', '.join(PATHS)}; got {general_path!r}.")

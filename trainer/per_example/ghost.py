@@ -37,7 +37,7 @@ function (trace) as `ghost_norms`: it reuses the recorded tensors.
 import numpy as np
 import tensorflow as tf
 
-from trainer.per_example import general
+from trainer import autograph
 from trainer.per_example import terms as terms_lib
 
 
@@ -105,13 +105,13 @@ class GhostTerms:
     """sum_i g_iv per variable, in variable order."""
     return self.unpack(self.packed_sums)
 
-  @general.no_autograph
+  @autograph.library
   def dots(self, grads) -> tf.Tensor:
     """[B] per-example <g_i, G>, G given as one tensor per variable (variable order)."""
     return self.dots_packed(tf.concat(
         [tf.reshape(tf.cast(grads[i], tf.float32), [-1]) for i in self.order], axis=0))
 
-  @general.no_autograph
+  @autograph.library
   def dots_packed(self, packed) -> tf.Tensor:
     """[B] per-example <g_i, G>, G given packed in `order` (e.g. the all-reduced vector)."""
     if self._kept is None:
@@ -297,7 +297,7 @@ def variable_pieces(term_list, dzs, size, shape):
     yield tf.reshape(grads[0] if len(grads) == 1 else tf.add_n(grads), [-1, n])
 
 
-@general.no_autograph
+@autograph.library
 def ghost_norms(rec, output_grads, *, general_grads=None, example_scale=None,
                 batch_size=None, self_dots=False) -> GhostTerms:
   """Per-example squared norms for every variable of `rec.recorder`, without [B, P].

@@ -33,11 +33,12 @@ from typing import Any, Callable, Sequence
 
 import tensorflow as tf
 
+from trainer import autograph
 from trainer.per_example import general
 from trainer.per_example import recording
 
 
-@general.no_autograph
+@autograph.library
 def _unchunked(recorder, loss_fn, batch):
   out = {}
   if recorder.direct_indices:
@@ -47,7 +48,7 @@ def _unchunked(recorder, loss_fn, batch):
   return [tf.cast(out[i], v.dtype) for i, v in enumerate(recorder.variables)]
 
 
-@general.no_autograph
+@autograph.library
 def _chunked(recorder, loss_fn, batch, chunk_size):
   """Runs `_unchunked` on slices of `chunk_size` examples in a tf.while_loop; concatenates."""
   size = tf.shape(tf.nest.flatten(batch)[0])[0]
@@ -90,7 +91,7 @@ def per_example_gradients(model: Any, loss_fn: Callable[[Any, Any], tf.Tensor], 
     raise ValueError(f"chunk_size must be an int >= 0 (0: no chunking); got {chunk_size!r}.")
   recorder = recording.Recorder(model, variables, general_path=general_path)
   recorder.scout(loss_fn, batch)
-  loss_fn = general.user_fn(loss_fn)
+  loss_fn = autograph.like_caller(loss_fn)
   static_size = tf.nest.flatten(batch)[0].shape[0]
   if chunk_size == 0 or (static_size is not None and static_size <= chunk_size):
     return _unchunked(recorder, loss_fn, batch)

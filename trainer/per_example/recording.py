@@ -36,6 +36,7 @@ from absl import logging
 import keras
 import tensorflow as tf
 
+from trainer import autograph
 from trainer.per_example import examples_axis
 from trainer.per_example import general
 from trainer.per_example import layers
@@ -212,14 +213,14 @@ class Recorder:
     give them). Returns (rec, output_grads, losses). Eager or traced, any context. Call
     `scout` first when eager (the callers in this package do).
     """
-    return self._differentiate(general.user_fn(loss_fn), batch)
+    return self._differentiate(autograph.like_caller(loss_fn), batch)
 
   def scout(self, loss_fn, batch) -> None:
     """Eager only: demotes covered calls whose input does not depend on the batch (traces the
     forward once in a scratch graph; see `examples_axis.scout`). No-op when traced."""
     examples_axis.scout(self, loss_fn, batch)
 
-  @general.no_autograph
+  @autograph.library
   def _differentiate(self, loss_fn, batch):
     with tf.GradientTape(watch_accessed_variables=False) as tape:
       with self.record(tape, batch) as rec:
@@ -238,9 +239,9 @@ class Recorder:
   def general_gradients(self, loss_fn, batch) -> list:
     """[B, *shape] per general variable, by `general_path` (its own forward passes; see
     `general.py` for where `vectorized_map` runs as `loop`)."""
-    return general.no_autograph(general.gradients)(
-        self.model, general.user_fn(loss_fn), batch, self.general_variables, self.general_path,
-        self.guard)
+    return autograph.library(general.gradients)(
+        self.model, autograph.like_caller(loss_fn), batch, self.general_variables,
+        self.general_path, self.guard)
 
 
 class Recording:

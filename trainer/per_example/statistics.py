@@ -28,7 +28,7 @@ from typing import Sequence
 
 import tensorflow as tf
 
-from trainer.per_example import general
+from trainer import autograph
 from trainer.per_example import ghost
 from trainer.per_example import recording
 from trainer.per_example import terms
@@ -57,7 +57,7 @@ def cosines(dots, norms, grad_norm, eps=1e-30):
   return dots / tf.maximum(norms * grad_norm, eps)
 
 
-@general.no_autograph
+@autograph.library
 def local_sums(var_sq_norms, small_grad_sq_norm, counted=None):
   """This replica's SUM-reducible statistics: a float32 vector [2V + 3].
 
@@ -82,7 +82,7 @@ def _local_sums(var_sq_norms, var_norms, norms, small_grad_sq_norm, counted=None
                     tf.reshape(small_grad_sq_norm, [1])], axis=0)
 
 
-@general.no_autograph
+@autograph.library
 def statistics_from_sums(sums, grad_sq_norm, *, num_small_batches, num_parameters) -> dict:
   """The scalar statistics from summed `local_sums` and |G|^2 of the global mean gradient.
 
@@ -171,7 +171,7 @@ STAT_DOC = """
 """
 
 
-@general.no_autograph
+@autograph.library
 def replica_statistics(per_example_grads: Sequence[tf.Tensor], variables: Sequence,
                        *, return_batch_grads: bool = False) -> dict:
   """Statistics over the GLOBAL batch from this replica's materialised per-example gradients.
@@ -219,11 +219,11 @@ def ghost_statistics(model, loss_fn, batch, *, variables=None,
     layer_method: `auto` | `materialize` | `ghost`, see `recording.Recorder`.
     return_batch_grads: also return `batch_grads`.
   """
-  return _ghost_statistics(model, general.user_fn(loss_fn), batch, variables, general_path,
+  return _ghost_statistics(model, autograph.like_caller(loss_fn), batch, variables, general_path,
                            layer_method, return_batch_grads)
 
 
-@general.no_autograph
+@autograph.library
 def _ghost_statistics(model, loss_fn, batch, variables, general_path, layer_method,
                       return_batch_grads):
   ctx = _replica_context()
