@@ -475,3 +475,54 @@ def test_reading_modes_leave_a_tf_data_training_input_alone(tmp_path, caplog):
     result = run.run(config(mode="eval"), str(tmp_path))
   assert result["global_step"] == 2 and result["eval"]["examples"] == 50
   assert "micro-batches" not in caplog.text and "input iterator" not in caplog.text
+
+
+class _WordsAndSizesStreamed(WordsAndSizesTask):
+  """WordsAndSizesTask from tf.data factories, with evaluation data."""
+
+  def train_data(self):
+    arrays = _words_and_sizes(64)
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays)
+
+  def eval_data(self):
+    arrays = _words_and_sizes(20)
+    return lambda: tf.data.Dataset.from_tensor_slices(arrays)
+
+
+class _TrainingFilesAbsent(_WordsAndSizesStreamed):
+  """The same task on a machine that holds only the evaluation data."""
+
+  def train_data(self):
+    def make():
+      return tf.data.Dataset.list_files("/nonexistent/microstep/train-*.tfrecord", shuffle=False)
+    return make
+
+
+def test_reading_modes_never_build_the_training_pipeline(tmp_path):
+  # mode=eval and mode=export called the training data function (for the evaluation fields'
+  # check and a subclassed model's export specs): an evaluation machine without the training
+  # files ended in an InvalidArgumentError traceback ("No files matched pattern").
+  config = lambda mode: helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2,
+                                               "mode": mode, "export_at_end": False})
+  run.run(config("train"), str(tmp_path), task=_WordsAndSizesStreamed(config("train")))
+  result = run.run(config("eval"), str(tmp_path), task=_TrainingFilesAbsent(config("eval")))
+  assert result["global_step"] == 2 and result["eval"]["examples"] == 20
+  task = _TrainingFilesAbsent(config("export"))
+  loaded = tf.saved_model.load(run.run(config("export"), str(tmp_path), task=task)["export"])
+  serving = loaded.signatures["serving_default"]
+  assert {n: s.dtype for n, s in serving.structured_input_signature[1].items()} == {
+      "word": tf.string, "size": tf.float32}  # From the evaluation data's fields.
+  inputs = _words_and_sizes(5)
+  del inputs["y"]
+  assert np.max(np.abs(loaded.serve(inputs).numpy() -
+                       task.model(inputs, training=False).numpy())) <= 1e-6
+
+
+def test_mode_eval_names_a_field_the_loss_reads_that_evaluation_data_lacks(tmp_path):
+  config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "eval_every": 2})
+  config.drop_labels = False
+  run.run(config, str(tmp_path), task=_EvalWithoutLabels(config))
+  config.mode, config.drop_labels = "eval", True
+  with pytest.raises(errors.DataError, match=r"^eval_data\(\) has no field 'y', which "
+                     r"_EvalWithoutLabels reads in evaluation; its fields: x$"):
+    run.run(config, str(tmp_path), task=_EvalWithoutLabels(config))

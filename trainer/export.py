@@ -121,10 +121,11 @@ def _read_inputs(model, spec):
   return {name: v for name, v in spec.items() if placeholders[name].consumers()} or spec
 
 
-def recorded_signature(task, model, source, batch_size: int) -> Optional[list]:
+def recorded_signature(task, model, signature_sources, batch_size: int) -> Optional[list]:
   """The input signature of a subclassed model, from the inputs the task passes to it.
 
-  Eager, host (traces the task's loss once; runs nothing). One spec structure per positional
+  Eager, host (traces the task's loss once per source tried; runs nothing). The sources are
+  tried in order until the loss traces on one's batch specs. One spec structure per positional
   argument of the task's first call of the model, as Keras orders a signature. None for
   functional and Sequential models (Keras knows their inputs), and, with a warning, when the
   task's calls cannot be read (Keras then infers float32 inputs).
@@ -138,15 +139,20 @@ def recorded_signature(task, model, source, batch_size: int) -> Optional[list]:
     if self is model and not seen:
       seen.append(args)
     return call(self, *args, **kwargs)
-  trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
-                      input_signature=[batch_spec(source, batch_size)], autograph=False)
-  try:
-    with mock.patch.object(type(model), "__call__", recording_call):
-      trace.get_concrete_function()
-  except Exception as e:  # pylint: disable=broad-except  (The run itself traced this fine.)
+  failures = []
+  for source in signature_sources:
+    try:
+      trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
+                          input_signature=[batch_spec(source, batch_size)], autograph=False)
+      with mock.patch.object(type(model), "__call__", recording_call):
+        trace.get_concrete_function()
+      break
+    except Exception as e:  # pylint: disable=broad-except  (The run itself traced this fine.)
+      failures.append(errors.describe_error(e))
+      seen.clear()
+  if failures and not seen:
     logging.warning("export: could not trace %s's loss outside the run (%s)", type(task).__name__,
-                    errors.describe_error(e))
-    seen.clear()
+                    "; ".join(failures))
   args = seen[0] if seen else ()
   if not args or not all(isinstance(t, tf.Tensor) for t in tf.nest.flatten(args)):
     logging.warning("export: the inputs of subclassed model %s are Keras' guess (float32); if "
@@ -157,20 +163,22 @@ def recorded_signature(task, model, source, batch_size: int) -> Optional[list]:
   return [_read_inputs(model, spec[0])] if len(spec) == 1 else list(spec)
 
 
-def export_model(task, model, workdir: str, step: int, source=None, batch_size: int = 1) -> str:
+def export_model(task, model, workdir: str, step: int, signature_sources=(),
+                 batch_size: int = 1) -> str:
   """Writes `workdir/export/<step>` (local or gs://, through tf.io.gfile); returns its path,
   absolute for a local workdir (it goes into result.json, read from anywhere).
 
   The input signature is `task.serving_signature()`, else the one recorded from the task's
-  calls on the training `source` (subclassed models), else the model's own inputs.
+  calls on the first of `signature_sources` whose batches it traces (subclassed models), else
+  the model's own inputs.
   """
   local = "://" not in workdir
   final = os.path.join(os.path.abspath(workdir) if local else workdir, "export", str(step))
   partial = f"{final}.partial.{os.getpid()}"
   signature = task.serving_signature()
   try:
-    if signature is None and source is not None:
-      signature = recorded_signature(task, model, source, batch_size)
+    if signature is None and signature_sources:
+      signature = recorded_signature(task, model, signature_sources, batch_size)
     _remove_stale_partials(final)
     _remove(partial)
     tf.io.gfile.makedirs(os.path.dirname(final))

@@ -132,24 +132,33 @@ def _dtype_policy(name: str):
 def _check_eval_fields(task, model, train_source, eval_source, batch_size) -> None:
   """Eager, host, at start: evaluation data that lacks a field of the training data is traced
   through the task's loss once (nothing runs); a field the loss reads raises DataError now,
-  not as a traceback at the first evaluation, after training. Fields only training reads pass."""
-  train_spec = export.batch_spec(train_source, batch_size)
+  not as a traceback at the first evaluation, after training. Fields only training reads pass.
+
+  `train_source` None (reading modes, which never build the training pipeline): the evaluation
+  data is traced whatever its fields.
+  """
   eval_spec = export.batch_spec(eval_source, batch_size)
-  if not (isinstance(train_spec, dict) and isinstance(eval_spec, dict)):
+  if not isinstance(eval_spec, dict):
     return
-  missing = sorted(set(train_spec) - set(eval_spec))
-  if not missing:
-    return
+  missing = []
+  if train_source is not None:
+    train_spec = export.batch_spec(train_source, batch_size)
+    if not isinstance(train_spec, dict):
+      return
+    missing = sorted(set(train_spec) - set(eval_spec))
+    if not missing:
+      return
   trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
                       autograph=False)
   try:
     trace.get_concrete_function(eval_spec)
   except KeyError as e:
     field = e.args[0] if e.args else missing[0]
+    also = f"; train_data() also has {', '.join(missing)}" if missing else ""
     raise errors.DataError(
         f"eval_data() has no field {field!r}, which {type(task).__name__} reads in evaluation; "
-        f"its fields: {', '.join(sorted(k for k in eval_spec if k != sources.VALID_KEY))}; "
-        f"train_data() also has {', '.join(missing)}") from None
+        f"its fields: {', '.join(sorted(k for k in eval_spec if k != sources.VALID_KEY))}"
+        f"{also}") from None
   except Exception:  # pylint: disable=broad-except  (Anything else: the evaluation reports it.)
     return
 
@@ -187,10 +196,15 @@ def build(config, workdir, task=None):
   if chief and (config.mode == "export" or (training and config.export_at_end)):
     export.check_exportable(model)
   if eval_source is not None and config.mode in validation.EVALUATING_MODES:
-    _check_eval_fields(task, model, train_source, eval_source, config.eval_batch_size)
+    _check_eval_fields(task, model, train_source if training else None, eval_source,
+                       config.eval_batch_size)
   trainer = orbit_trainer.Trainer(config=config, strategy=strategy, task=task, model=model,
                                   optimizer=optimizer, train_dataset=None)
-  trainer.train_source = train_source  # Its specs give a subclassed model's export signature.
+  # Their specs give a subclassed model's export signature. Reading modes try the evaluation
+  # data first: their machine may hold nothing else (train_data() is still called, as a task
+  # may set state there, but its pipeline is built only if the evaluation data's cannot serve).
+  trainer.signature_sources = ([train_source] if training or eval_source is None
+                               else [eval_source, train_source])
   checkpoint = tf.train.Checkpoint(**trainer.checkpoint_items())
   checkpoints = checkpointing.checkpoint_dir(workdir)
   # Multi-worker: the same newest checkpoint on every worker before any restore (a restore
@@ -348,7 +362,7 @@ def _run(config, workdir: str, task, lock) -> dict:
   step = int(trainer.global_step.numpy())
   if chief and (config.mode == "export" or (training and config.export_at_end)):
     result["export"] = export.export_model(
-        trainer.task, trainer.model, workdir, step, source=trainer.train_source,
+        trainer.task, trainer.model, workdir, step, signature_sources=trainer.signature_sources,
         batch_size=config.batch_size // strategy.num_replicas_in_sync)
   result["global_step"] = step
   result["skipped_updates"] = int(trainer.skipped_updates.numpy())
