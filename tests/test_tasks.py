@@ -455,6 +455,37 @@ def test_a_subclassed_model_exports_the_inputs_the_task_gives_it(tmp_path):
   assert np.max(np.abs(loaded.serve(inputs).numpy() - expected)) <= 1e-6
 
 
+class PositionalDense(keras.Model):
+  def __init__(self):
+    super().__init__()
+    self.dense = keras.layers.Dense(2)
+
+  def call(self, x, training=False):
+    return self.dense(x)
+
+
+class _PositionalTask(example_tasks.NoMetrics):
+  """Passes one field, as it is, to a subclassed model (as `model(batch["x"])`)."""
+
+  def build_model(self):
+    self.model = PositionalDense()
+    self.model(np.zeros((1, 12), np.float32))
+    return self.model
+
+
+def test_a_subclassed_models_positional_input_is_named_after_its_field(tmp_path):
+  # It was `args_0` (a probe, 2026-12-07): a serving client had to guess.
+  config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "export_at_end": True,
+                                  "mode": "train"})
+  task = _PositionalTask(config)
+  loaded = tf.saved_model.load(run.run(config, str(tmp_path), task=task)["export"])
+  serving = loaded.signatures["serving_default"]
+  assert list(serving.structured_input_signature[1]) == ["x"]
+  x = np.random.RandomState(0).normal(size=(3, 12)).astype(np.float32)
+  served = next(iter(serving(x=tf.constant(x)).values())).numpy()
+  assert np.max(np.abs(served - task.model(x).numpy())) <= 1e-6
+
+
 def test_mode_export_writes_the_checkpointed_model(tmp_path, monkeypatch):
   config = helpers.tiny_config(**{"train_steps": 2, "steps_per_loop": 2, "eval_every": 2})
   run.run(config, str(tmp_path))

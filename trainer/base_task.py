@@ -138,7 +138,9 @@ class Task:
     raise NotImplementedError(f"{type(self).__name__}.per_example_loss")
 
   def serving_signature(self) -> Optional[list]:
-    """Input `tf.TensorSpec`s of the exported model; None: the model's own `inputs`."""
+    """Input `tf.TensorSpec`s of the exported model (eager, host, at export). None: the model's
+    own `inputs`; for a subclassed model, the inputs the loss gives it on a batch of the data
+    (docs/tasks.md, "Export")."""
     return None
 
 

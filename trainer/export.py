@@ -126,7 +126,8 @@ def recorded_signature(task, model, signature_sources, batch_size: int) -> Optio
 
   Eager, host (traces the task's loss once per source tried; runs nothing). The sources are
   tried in order until the loss traces on one's batch specs. One spec structure per positional
-  argument of the task's first call of the model, as Keras orders a signature. None for
+  argument of the task's first call of the model, as Keras orders a signature; an argument that
+  is a batch field as it is takes the field's name. None for
   functional and Sequential models (Keras knows their inputs), and, with a warning, when the
   task's calls cannot be read (Keras then infers float32 inputs).
   """
@@ -139,11 +140,17 @@ def recorded_signature(task, model, signature_sources, batch_size: int) -> Optio
     if self is model and not seen:
       seen.append(args)
     return call(self, *args, **kwargs)
+  fields = {}  # A batch field passed to the model as it is names its input (not `args_0`).
+
+  def loss(batch):
+    if isinstance(batch, dict):
+      fields.update({t.ref(): name for name, t in batch.items() if isinstance(t, tf.Tensor)})
+    return base_task.weighted_outputs(task, model, batch, False)
   failures = []
   for source in signature_sources:
     try:
-      trace = tf.function(lambda batch: base_task.weighted_outputs(task, model, batch, False),
-                          input_signature=[batch_spec(source, batch_size)], autograph=False)
+      trace = tf.function(loss, input_signature=[batch_spec(source, batch_size)],
+                          autograph=False)
       with mock.patch.object(type(model), "__call__", recording_call):
         trace.get_concrete_function()
       break
@@ -159,7 +166,8 @@ def recorded_signature(task, model, signature_sources, batch_size: int) -> Optio
                     "it takes other dtypes or a dict, give %s a serving_signature()",
                     type(model).__name__, type(task).__name__)
     return None
-  spec = tf.nest.map_structure(lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype), args)
+  spec = tf.nest.map_structure(
+      lambda t: tf.TensorSpec([None, *t.shape[1:]], t.dtype, name=fields.get(t.ref())), args)
   return [_read_inputs(model, spec[0])] if len(spec) == 1 else list(spec)
 
 
