@@ -94,6 +94,20 @@ def test_two_workers_gradcache_equals_the_large_batch(tmp_path):
   assert helpers.max_abs_diff(list(results[0]["weights"]), ref_weights) <= 1e-6
   assert helpers.max_abs_diff(list(results[0]["slots"]), ref_slots) <= 1e-6
   assert int(results[0]["update_reduces"]) == 1
+  # Evaluation gathers the representations of both workers before the batch loss: the same
+  # numbers as one process evaluating the same weights (a probe found Mirrored(2) scoring each
+  # replica's half batch, 2026-12-07; here across processes).
+  config.mode = "eval"
+  _, trainer, evaluator, _, eval_steps = __import__("trainer.run").run.build(
+      config, str(tmp_path / "one_process"))
+  for variable, value in zip(trainer.model.trainable_variables, results[0]["weights"]):
+    variable.assign(value)
+  one = evaluator.evaluate(__import__("tensorflow").constant(eval_steps))
+  assert set(one) == {name[len("eval_"):] for name in results[0].files if name.startswith("eval_")}
+  assert float(one["examples"]) == 64
+  for name, value in one.items():
+    for worker in results:
+      assert float(worker[f"eval_{name}"]) == pytest.approx(float(value), rel=1e-5, abs=1e-6), name
 
 
 def _trainer_cmd(workdir, index, ports, *extra, timeout_s=120):

@@ -46,8 +46,13 @@ class Evaluator(orbit.StandardEvaluator):
     gather = None  # A batch-level loss is over the whole global batch, as on one device.
     if isinstance(self.task, base_task.BatchLossTask) and self.strategy.num_replicas_in_sync > 1:
       # Every replica's rows in replica order, which is stream order; each field keeps its
-      # dtype and shape, and a replica with no rows (a MultiWorker tail) adds none.
-      gather = lambda fields: tf.distribute.get_replica_context().all_gather(fields, axis=0)
+      # dtype and shape, and a replica with no rows (a MultiWorker tail) adds none. Each field
+      # is first copied onto the replica's device: a field taken straight from the batch (a
+      # label) has no device under MultiWorkerMirrored with one device per worker, and TF's
+      # all_gather takes a tensor's device as its destination ("destinations can not be
+      # empty", found 2026-12-08 by the two-process test).
+      gather = lambda fields: tf.distribute.get_replica_context().all_gather(
+          tf.nest.map_structure(tf.identity, fields), axis=0)
 
     def step(batch):
       loss, weight, metrics = base_task.weighted_outputs(self.task, self.model, batch,
