@@ -136,6 +136,29 @@ def test_a_resume_at_an_evaluated_update_does_not_evaluate_the_same_weights_agai
   assert helpers.evaluated_updates(retrained) == [4, 4, 8]
 
 
+def test_the_weights_digest_reads_each_buffer_as_earlier_versions_hashed_its_bytes():
+  """`evaluated.json` files written before 2026-12-08 hashed `tobytes()` copies; the digest now
+  reads the buffers in place and must name the same weights: scalars, bfloat16, ints, bools."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import keras  # pylint: disable=g-import-not-at-top
+  from trainer import evaluated  # pylint: disable=g-import-not-at-top
+  layer = keras.layers.Layer()
+  rng = np.random.RandomState(0)
+  for shape, dtype in [((), "float32"), ((3, 4), "bfloat16"), ((5,), "int64"), ((2, 2), "bool"),
+                       ((2, 3, 4), "float16")]:
+    layer.add_weight(shape=shape, dtype=dtype, trainable=False,
+                     initializer=keras.initializers.Constant(rng.normal(size=shape)))
+  layer.weights[1].assign(tf.transpose(tf.reshape(tf.range(12, dtype=tf.bfloat16), (4, 3))))
+  before = hashlib.sha256()
+  for weight in layer.weights:
+    value = np.asarray(weight.numpy())
+    before.update(f"{value.dtype.str}{value.shape}".encode())
+    before.update(np.ascontiguousarray(value).tobytes())
+  assert evaluated.weights_digest(layer) == before.hexdigest()
+  layer.weights[0].assign(1.5)
+  assert evaluated.weights_digest(layer) != before.hexdigest()
+
+
 @pytest.mark.parametrize("override,message", [
     ("strategy=ring", "`strategy`='ring' unknown; allowed: default, one_device, mirrored"),
     ("batch_size=15", "`batch_size`=15 is not divisible by the 2 replicas"),
