@@ -267,3 +267,31 @@ def test_a_resume_at_an_evaluated_update_skips_it_on_both_workers(tmp_path):
     assert codes == [0, 0], errs[0][-1500:] + errs[1][-1500:]
   assert all("update 5 was evaluated already" in err for err in errs), errs[1][-1500:]
   assert helpers.evaluated_updates(tmp_path) == [5, 10]
+
+
+def test_per_example_statistics_of_two_workers_equal_two_replicas_in_one_process(tmp_path):
+  """Statistics on every update (one all-reduce of their sums, one all_gather of the norms)
+  across two real workers: the same TensorBoard values as Mirrored(2) in one process. A
+  BatchLossTask's evaluation failed only across processes (2026-12-08), so in-process replicas
+  do not vouch for collectives."""
+  from configs import fashion_mnist  # pylint: disable=g-import-not-at-top
+  from trainer import run  # pylint: disable=g-import-not-at-top
+  overrides = {"per_example.every_steps": 1, "train_steps": 4, "steps_per_loop": 2,
+               "export_at_end": False}
+  workers, one = tmp_path / "workers", tmp_path / "one"
+  workers.mkdir()
+  codes, errs = _run_pair([str(workers)] * 2, free_ports(2),
+                          *[f"--config.{name}={value}" for name, value in overrides.items()])
+  assert codes == [0, 0], errs[0][-3000:]
+  config = fashion_mnist.get_config("smoke,synthetic")
+  config.update_from_flattened_dict(dict(overrides, strategy="mirrored", cpu_replicas=2,
+                                         mode="train", peer_timeout_s=15))
+  run.run(config, str(one))
+  across = helpers.summary_events(workers / "summaries" / "train")
+  within = helpers.summary_events(one / "summaries" / "train")
+  tags = sorted(tag for tag in within if tag.startswith("per_example/"))
+  assert len(tags) >= 8 and all(len(within[tag]) == 4 for tag in tags), tags
+  for tag in tags:
+    assert [step for step, _ in across[tag]] == [step for step, _ in within[tag]], tag
+    for (_, a), (_, b) in zip(across[tag], within[tag]):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=tag)
