@@ -646,6 +646,24 @@ def test_sigterm_while_evaluating_continuously_exits_42(tmp_path):
   assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
 
 
+def test_sigterm_during_an_evaluation_of_a_checkpointed_update_stops_at_once(tmp_path):
+  """The run finished the evaluation first (a probe, 2026-12-08: exit 42 came 23 s after the
+  SIGTERM; under `timeout -k 10` the run was SIGKILLed). With the update on disk there is
+  nothing to save: it stops in the middle, and the rerun evaluates that update first."""
+  proc = _popen(tmp_path, "task=example_tasks:SlowEvaluation", "mode=train_and_eval",
+                "export_at_end=False", "train_steps=4", "steps_per_loop=2", "checkpoint_every=2",
+                "eval_every=2", "eval_batch_size=4")  # 10 batches of 0.3 s: 3 s of evaluation.
+  _wait_for(proc, "eval | step")
+  proc.send_signal(signal.SIGTERM)
+  code, err = _finish(proc, timeout=60)
+  assert code == exit_codes.PREEMPTED_EXIT_CODE, err[-2000:]
+  assert err.strip().splitlines()[-1] == (
+      "microstep: error: stopped by SIGTERM during the evaluation of update 2, whose checkpoint "
+      "is written; rerun the same command: it evaluates update 2 first")
+  assert tf.train.latest_checkpoint(str(tmp_path / "checkpoints")).endswith("ckpt-2")
+  assert helpers.evaluated_updates(tmp_path) == []  # Stopped before its end.
+
+
 def test_a_repeated_sigterm_still_writes_the_checkpoint(tmp_path):
   proc = _popen(tmp_path, "train_steps=100000", *DETERMINISTIC)
   _wait_for(proc, "train step")

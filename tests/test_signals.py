@@ -52,7 +52,31 @@ def handlers(monkeypatch):
   monkeypatch.setattr(signal, "signal", lambda signum, action: actions.__setitem__(signum, action))
   monkeypatch.setitem(shutdown._state, "requested", None)  # pylint: disable=protected-access
   monkeypatch.setitem(shutdown._state, "deferred", 0)  # pylint: disable=protected-access
+  monkeypatch.setitem(shutdown._state, "received", None)  # pylint: disable=protected-access
   return shutdown, actions
+
+
+def test_a_block_with_nothing_unsaved_stops_at_once_inside_training(handlers):
+  """`at_once` (an evaluation whose update is checkpointed): a signal stops in the block, with
+  the block's line and the signal's exit code; one noted before it stops at its start; after
+  the block, signals are noted again."""
+  shutdown, _ = handlers
+  describe = lambda name: f"stopped by {name} in the block"
+  with shutdown.deferred():
+    for signum, code in ((signal.SIGINT, exit_codes.INTERRUPTED_EXIT_CODE),
+                         (signal.SIGHUP, exit_codes.PREEMPTED_EXIT_CODE)):
+      with pytest.raises(shutdown.StopRequested) as stopped:
+        with shutdown.at_once(describe):
+          shutdown._handle(signum, None)  # pylint: disable=protected-access
+      assert stopped.value.exit_code == code
+      assert str(stopped.value) == f"stopped by {signal.Signals(signum).name} in the block"
+    assert shutdown.requested() is None
+    shutdown._handle(signal.SIGTERM, None)  # pylint: disable=protected-access
+    assert shutdown.requested() == signal.SIGTERM  # Noted: the loop end saves, then stops.
+    with pytest.raises(shutdown.StopRequested) as stopped:
+      with shutdown.at_once(describe):
+        pass
+    assert str(stopped.value) == "stopped by SIGTERM in the block"
 
 
 def test_while_training_a_sigint_after_a_sigterm_keeps_the_sigterm_stop(handlers):

@@ -10,7 +10,8 @@ BatchLossTask's `batch_loss` is over the whole global batch (one all_gather of t
 representations), so its evaluation does not depend on the number of replicas of a machine.
 A tf.data source without a known length is evaluated until it is exhausted (`num_steps=-1`).
 An evaluation that counted no example (empty source, all weights 0) is a `DataError`; one
-whose loss or a metric is NaN or infinite is a WARNING.
+whose loss or a metric is NaN or infinite is a WARNING. During a single-worker training run, a
+SIGTERM or SIGINT stops an evaluation at once when its update is checkpointed (`evaluate`).
 """
 import math
 
@@ -21,6 +22,7 @@ import tensorflow as tf
 from trainer import autograph
 from trainer import base_task
 from trainer import errors
+from trainer import shutdown
 
 
 class Evaluator(orbit.StandardEvaluator):
@@ -34,6 +36,22 @@ class Evaluator(orbit.StandardEvaluator):
           synchronization=tf.VariableSynchronization.ON_READ,
           aggregation=tf.VariableAggregation.SUM)
     super().__init__(eval_dataset, options=orbit.StandardEvaluatorOptions(use_tf_function=True))
+    # The update being evaluated if its checkpoint is on disk, else None (set by the runner for
+    # a single-worker training run): a signal then stops the evaluation at once.
+    self.checkpointed_update = lambda: None
+
+  def evaluate(self, num_steps):
+    """Orbit's evaluation (eager; a Python loop over traced steps, so a signal is handled
+    between two). With nothing unsaved a signal stops it at once: the rerun evaluates the
+    update first, as `evaluated.json` does not name it (`trainer.evaluated`)."""
+    update = self.checkpointed_update()
+    if update is None:  # Signals noted; the watcher stops after the evaluation (and saves).
+      return super().evaluate(num_steps)
+    describe = lambda name: (f"stopped by {name} during the evaluation of update {update}, "
+                             "whose checkpoint is written; rerun the same command: it evaluates "
+                             f"update {update} first")
+    with shutdown.at_once(describe):
+      return super().evaluate(num_steps)
 
   def eval_begin(self):
     with self.strategy.scope():

@@ -163,6 +163,12 @@ def _check_eval_fields(task, model, train_source, eval_source, batch_size) -> No
     return
 
 
+def _checkpointed_update(manager, global_step):
+  """`global_step` if the manager's newest checkpoint is of that update, else None (eager)."""
+  step, latest = int(global_step.numpy()), manager.latest_checkpoint
+  return step if latest and latest.endswith(f"-{step}") else None
+
+
 def build(config, workdir, task=None):
   """Builds strategy, task, trainer, evaluator and checkpoint manager; restores (eager).
 
@@ -284,6 +290,11 @@ def build(config, workdir, task=None):
     eval_dataset, eval_steps = _eval_dataset(config, strategy, eval_source)
     evaluator = orbit_evaluator.Evaluator(strategy=strategy, task=task, model=model,
                                           eval_dataset=eval_dataset)
+    if training and not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+      # (Workers stop together, at a loop end: one alone leaving an evaluation's collectives
+      # would leave the others waiting for it.)
+      evaluator.checkpointed_update = functools.partial(_checkpointed_update, manager,
+                                                        trainer.global_step)
   return strategy, trainer, evaluator, manager, eval_steps
 
 

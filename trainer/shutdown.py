@@ -10,6 +10,8 @@ SIGHUP (the terminal closed, an ssh session dropped) is a SIGTERM here, unless `
     training (inside `deferred()`)      noted; the trainer writes    noted; the same, exit 130
                                         a checkpoint at the end of   (a second Ctrl-C stops at
                                         the loop and exits 42        once, without it)
+    an evaluation in training whose     StopRequested at once:       StopRequested at once:
+    update is checkpointed (`at_once`)  exit 42                      exit 130
 
 While training, once a stop is noted, a SIGTERM after a Ctrl-C makes it a SIGTERM stop (exit 42,
 which launchers restart: as across workers, `trainer.preemption`), a Ctrl-C after a SIGTERM
@@ -36,7 +38,8 @@ from trainer import exit_codes
 _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: unless ignored, `nohup`.)
 # "requested": the stop noted while training (SIGTERM or SIGINT); "received": the signal that
 # made it, for the stop's line (a SIGHUP is noted as a SIGTERM).
-_state = {"deferred": 0, "requested": None, "received": None, "installed": False}
+_state = {"deferred": 0, "requested": None, "received": None, "installed": False,
+          "at_once": None}
 _IDLE_MESSAGE = "with nothing unsaved; rerun the same command to continue"
 
 
@@ -112,6 +115,9 @@ def _handle(signum, frame):  # pylint: disable=unused-argument
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
   if not _state["deferred"]:
     raise stop(signum)
+  if _state["at_once"] is not None:  # Nothing unsaved in this block (`at_once`).
+    _state["received"] = received
+    raise stop(signum, _state["at_once"](stop_name(signum)))
   noted = _state["requested"]
   if noted is None or (signum == signal.SIGTERM and noted == signal.SIGINT):
     _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
@@ -158,6 +164,22 @@ def deferred():
     yield
   finally:
     _state["deferred"] -= 1
+
+
+@contextlib.contextmanager
+def at_once(describe):
+  """Within `deferred()`, a block with nothing unsaved: a signal stops at once, with the line
+  `describe(signal name)`; one noted before the block stops at its start. For an evaluation
+  during training whose update is checkpointed: finishing it would only delay the exit, maybe
+  past a supervisor's grace (a probe, 2026-12-08: 23 s after SIGTERM, SIGKILLed under
+  `timeout -k 10`)."""
+  if _state["requested"] is not None:
+    raise stop(_state["requested"], describe(stop_name(_state["requested"])))
+  previous, _state["at_once"] = _state["at_once"], describe
+  try:
+    yield
+  finally:
+    _state["at_once"] = previous
 
 
 def requested():
