@@ -8,6 +8,7 @@ import tensorflow as tf
 
 import helpers
 from trainer import errors
+from trainer import config_defaults
 from trainer import validation
 from trainer.tasks import npz
 
@@ -132,3 +133,26 @@ def test_a_misspelt_field_of_a_microstep_group_is_refused_and_a_users_own_group_
   assert "`batchsize` is not a field microstep reads (did you mean `batch_size`?)" in caplog.text
   assert "`learning_rate` is not a field microstep reads (did you mean " \
          "`optimizer.learning_rate`?)" in caplog.text
+
+
+def test_a_config_missing_a_group_or_a_field_of_one_is_one_line():
+  """A get_config that deleted or replaced one of microstep's groups failed later with a
+  KeyError traceback (a probe, 2026-12-08)."""
+  from trainer import errors  # pylint: disable=g-import-not-at-top
+  from trainer import validation  # pylint: disable=g-import-not-at-top
+  without_group = config_defaults.base_config()
+  del without_group["optimizer"]
+  with pytest.raises(errors.ConfigError, match=r"^the config lacks `optimizer`; start get_config "
+                     r"from `config = config_defaults\.base_config\(\)`"):
+    validation.validate(without_group)
+  without_field = config_defaults.base_config()
+  del without_field.optimizer["weight_decay"]
+  with pytest.raises(errors.ConfigError, match=r"^the config lacks `optimizer\.weight_decay`;"):
+    validation.validate(without_field)
+  not_a_group = config_defaults.base_config()
+  del not_a_group["optimizer"]
+  not_a_group.optimizer = "adam"
+  with pytest.raises(errors.ConfigError, match=r"^`optimizer`='adam' must be a group of fields "
+                     r"\(beta_1, beta_2, decay, "):
+    validation.validate(not_a_group)
+  validation.validate(config_defaults.base_config())

@@ -22,6 +22,7 @@ import helpers
 from trainer import base_task
 from trainer import errors
 from trainer import run
+from trainer import sources
 
 FAULT_AT = 40  # With data.shuffle=False and batch 16: in update 3, after the checkpoint of 2.
 
@@ -258,6 +259,17 @@ def test_nested_dicts_of_arrays_are_one_line_naming_the_field(tmp_path):
   with pytest.raises(errors.DataError, match=r"^train_data\(\) field 'feat' is a dict; a dict "
                                              r"of arrays is flat"):
     _train(NestedFields(None, tf_data=False), tmp_path)
+
+
+@pytest.mark.parametrize("kind", ["RaggedTensor", "SparseTensor"])
+def test_a_ragged_or_sparse_field_in_a_dict_of_arrays_is_one_line_saying_so(kind):
+  # It said the arrays must share one leading dimension, {'tok': None, 'y': 100}: a length
+  # mismatch that was not there (a probe, 2026-12-08).
+  tokens = tf.ragged.constant([[1, 2, 3], [4]] * 50)
+  field = tokens if kind == "RaggedTensor" else tokens.to_sparse()
+  with pytest.raises(errors.DataError, match=rf"^train_data\(\) field 'tok' is a tf\.{kind}; a "
+                     r"dict of arrays holds dense arrays: pad it"):
+    sources.as_source({"tok": field, "y": np.zeros(100, np.int64)}, "train_data()")
 
 
 class StringLabels(example_tasks.NoMetrics):

@@ -91,6 +91,12 @@ def _wait_for(proc, text, timeout=120):
      "flag --config.batch_size=abc: invalid literal for int()"),
     ([f"--config={RECIPE}", "--workdirx=3"], "Unknown command line flag 'workdirx'"),
     ([f"--config={RECIPE}", "extra"], "unexpected arguments ['extra']"),
+    # A get_config that builds its own config: a KeyError traceback, exit 1 (a probe,
+    # 2026-12-08).
+    (["--config=PARTIAL"], "the config lacks `accumulation`, `allow_config_change`, "
+                           "`checkpoint_every`, `collective_timeout_s`, `contrastive` and "),
+    (["--config=DICT"], "the config is a dict, not an ml_collections.ConfigDict; start "
+                        "get_config from `config = config_defaults.base_config()`"),
     (["--config=TYPO"], "`per_example.every_step` is not a field (did you mean "
                         "`per_example.every_steps`?); allowed in per_example: every_steps,"),
 ])
@@ -101,6 +107,10 @@ def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message)
       "import ml_collections\ndef get_config(arg=None):\n"
       "  c = ml_collections.ConfigDict({'batch_size': 4})\n  c.my_group.size = 3\n  return c\n")
   (tmp_path / "int.py").write_text("def get_config(arg=None):\n  return 5\n")
+  (tmp_path / "partial.py").write_text(
+      "import ml_collections\ndef get_config(arg=None):\n  return ml_collections.ConfigDict("
+      "{'task': 'classification', 'batch_size': 32, 'train_steps': 10})\n")
+  (tmp_path / "dict.py").write_text("def get_config(arg=None):\n  return {'batch_size': 32}\n")
   (tmp_path / "none.py").write_text("import ml_collections\ndef get_config(arg=None):\n"
                                     "  c = ml_collections.ConfigDict({'batch_size': 4})\n")
   # A misspelt field of microstep's own group, in the file (ml_collections takes it silently).
@@ -114,6 +124,7 @@ def test_command_line_mistakes_are_one_line_with_exit_2(tmp_path, args, message)
   args = [a.replace("SYNTAX", str(tmp_path / "syntax.py")).replace("RAISES", str(tmp_path / "raises.py"))
           .replace("TYPO", str(tmp_path / "typo.py")).replace("MISSING", str(tmp_path / "missing.py"))
           .replace("RETURNS_INT", str(tmp_path / "int.py"))
+          .replace("PARTIAL", str(tmp_path / "partial.py")).replace("DICT", str(tmp_path / "dict.py"))
           .replace("RETURNS_NONE", str(tmp_path / "none.py"))
           for a in args]
   if not any(a.startswith("--workdir") for a in args):

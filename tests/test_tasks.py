@@ -191,6 +191,24 @@ def test_task_errors_are_one_line_with_exit_2(tmp_path, task, code, message):
   assert "Traceback" not in out.stderr
 
 
+@pytest.mark.parametrize("source,message", [
+    ("def broken(:\n  pass\n", r"raised SyntaxError: invalid syntax \(\S+broken_task\.py, line 1\)"),
+    ("import os\n\nraise RuntimeError('no GPU quota left')\n",
+     r"raised RuntimeError: no GPU quota left \(\S+broken_task\.py, line 3\)"),
+])
+def test_a_task_module_that_fails_to_import_is_one_line(tmp_path, source, message):
+  # A SyntaxError or the module's own exception was a 40-line traceback, exit 1 (a missing
+  # dependency was already one line; a probe, 2026-12-08).
+  (tmp_path / "broken_task.py").write_text(source)
+  out = helpers.run_cli(tmp_path / "w", "configs/fashion_mnist.py:smoke", "task=broken_task:Task",
+                        timeout=120, extra_env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{helpers.REPO}"})
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert re.match(r"^microstep: error: `task`='broken_task:Task': importing 'broken_task' "
+                  + message + r" \(--traceback prints where\)$",
+                  out.stderr.strip().splitlines()[-1]), out.stderr[-2000:]
+  assert "Traceback" not in out.stderr
+
+
 def test_an_error_in_the_task_s_own_code_is_one_line_and_its_traceback_a_flag_away(tmp_path):
   """Keras' ValueError inside the task's loss: one line naming the task's file and line, which
   says that `--traceback` prints where it came from; with the flag, TensorFlow's listing of the

@@ -81,6 +81,13 @@ def _check_arrays(arrays: dict, what: str) -> dict:
         f"{what} field {nested[0]!r} is a dict; a dict of arrays is flat, name -> array: "
         f"flatten it (e.g. '{nested[0]}/...'), or return a tf.data function, whose elements "
         "may nest")
+  uneven = sorted(str(k) for k, v in arrays.items()
+                  if isinstance(v, (tf.RaggedTensor, tf.SparseTensor)))
+  if uneven:  # np.asarray made a 0-d object array of it: "no leading dimension" (a probe).
+    raise errors.DataError(
+        f"{what} field {uneven[0]!r} is a tf.{type(arrays[uneven[0]]).__name__}; a dict of "
+        "arrays holds dense arrays: pad it to one length (with a mask or weight 0), or return a "
+        "tf.data function, whose elements may be ragged or sparse")
   arrays = {str(k): np.asarray(v) for k, v in arrays.items()}
   if VALID_KEY in arrays:
     raise errors.DataError(f"{what} has a field named {VALID_KEY!r}, which microstep reserves")

@@ -7,6 +7,7 @@ import difflib
 import math
 
 from absl import logging
+import ml_collections
 
 from trainer import config_defaults
 from trainer import errors
@@ -85,8 +86,34 @@ def _unknown_fields(config):
                       key, nested.get(key) or close[0])
 
 
+def _missing_fields(config):
+  """Refuses a config that is not a ConfigDict holding every field of `base_config()`: a
+  `get_config` that built its own (a plain dict, or a ConfigDict of a few fields) failed later
+  with a KeyError traceback (a probe, 2026-12-08)."""
+  start = ("start get_config from `config = config_defaults.base_config()` (trainer/"
+           "config_defaults.py) and change the fields you need")
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise ConfigError(f"the config is a {type(config).__name__}, not an "
+                      f"ml_collections.ConfigDict; {start}")
+  defaults = config_defaults.base_config()
+  missing = []
+  for name in defaults.keys():
+    if name not in config:
+      missing.append(name)
+    elif hasattr(defaults[name], "keys"):
+      if not hasattr(config[name], "keys"):
+        raise ConfigError(f"`{name}`={config[name]!r} must be a group of fields "
+                          f"({', '.join(defaults[name].keys())}); {start}")
+      missing += [f"{name}.{key}" for key in defaults[name].keys() if key not in config[name]]
+  if missing:
+    shown = ", ".join(f"`{name}`" for name in missing[:5]) + (
+        f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+    raise ConfigError(f"the config lacks {shown}; {start}")
+
+
 def validate(config) -> None:
   """Raises ConfigError for the first bad field."""
+  _missing_fields(config)
   _unknown_fields(config)
   bad = _non_finite(config)
   if bad:

@@ -6,6 +6,7 @@ runner knows none of their datasets. `config.task` is a short name below or an i
 directory, the config file's directory, or an installed package). Eager, host.
 """
 import importlib
+import traceback
 
 from trainer import errors
 
@@ -19,6 +20,19 @@ BUILT_IN = {
     "batch_hard_triplet": "trainer.tasks.batch_losses:BatchHardTriplet",
     "histogram_chi_square": "trainer.tasks.batch_losses:HistogramChiSquare",
 }
+
+
+def _message(error: Exception) -> str:
+  text = error.msg if isinstance(error, SyntaxError) else str(error)
+  return " ".join(text.split()) or "(no message)"
+
+
+def _where(error: Exception) -> str:
+  """`file, line N` of the error: the line a SyntaxError names, else the innermost frame."""
+  if isinstance(error, SyntaxError):
+    return f"{error.filename}, line {error.lineno}"
+  frames = traceback.extract_tb(error.__traceback__)
+  return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else "no traceback"
 
 
 def task_class(name: str):
@@ -35,6 +49,12 @@ def task_class(name: str):
     raise errors.ConfigError(
         f"`task`={name!r}: cannot import {module_name!r} ({e}); run from the directory that "
         "holds it, put it beside the config file, or install it") from None
+  except Exception as e:  # pylint: disable=broad-except  (The module's own code failed: a
+    # SyntaxError, or an exception it raised on import. It was a 40-line traceback, exit 1; a
+    # probe, 2026-12-08.)
+    raise errors.TaskError(
+        f"`task`={name!r}: importing {module_name!r} raised {type(e).__name__}: "
+        f"{_message(e)} ({_where(e)})") from e
   cls = getattr(module, class_name, None)
   if cls is None:
     raise errors.ConfigError(f"`task`={name!r}: module {module_name!r} has no {class_name!r}")
