@@ -195,6 +195,10 @@ def test_task_errors_are_one_line_with_exit_2(tmp_path, task, code, message):
     ("def broken(:\n  pass\n", r"raised SyntaxError: invalid syntax \(\S+broken_task\.py, line 1\)"),
     ("import os\n\nraise RuntimeError('no GPU quota left')\n",
      r"raised RuntimeError: no GPU quota left \(\S+broken_task\.py, line 3\)"),
+    # Raised inside a library: the module's own line that called it.
+    ("import numpy as np\n\nVOCAB = np.load('/nonexistent/vocab.npy')\n",
+     r"raised FileNotFoundError: \[Errno 2\] No such file or directory: '/nonexistent/vocab\.npy' "
+     r"\(\S+broken_task\.py, line 3\)"),
 ])
 def test_a_task_module_that_fails_to_import_is_one_line(tmp_path, source, message):
   # A SyntaxError or the module's own exception was a 40-line traceback, exit 1 (a missing

@@ -6,6 +6,7 @@ runner knows none of their datasets. `config.task` is a short name below or an i
 directory, the config file's directory, or an installed package). Eager, host.
 """
 import importlib
+import importlib.util
 import traceback
 
 from trainer import errors
@@ -27,12 +28,19 @@ def _message(error: Exception) -> str:
   return " ".join(text.split()) or "(no message)"
 
 
-def _where(error: Exception) -> str:
-  """`file, line N` of the error: the line a SyntaxError names, else the innermost frame."""
+def _where(error: Exception, module_name: str) -> str:
+  """`file, line N` of the error: the line a SyntaxError names, else the innermost frame in the
+  module's own file (a call into a library names the module's line that made it)."""
   if isinstance(error, SyntaxError):
     return f"{error.filename}, line {error.lineno}"
   frames = traceback.extract_tb(error.__traceback__)
-  return f"{frames[-1].filename}, line {frames[-1].lineno}" if frames else "no traceback"
+  try:
+    spec = importlib.util.find_spec(module_name)
+  except Exception:  # pylint: disable=broad-except  (A parent package that fails, too.)
+    spec = None
+  own = [f for f in frames if spec is not None and f.filename == spec.origin]
+  frame = (own or frames or [None])[-1]
+  return f"{frame.filename}, line {frame.lineno}" if frame else "no traceback"
 
 
 def task_class(name: str):
@@ -54,7 +62,7 @@ def task_class(name: str):
     # probe, 2026-12-08.)
     raise errors.TaskError(
         f"`task`={name!r}: importing {module_name!r} raised {type(e).__name__}: "
-        f"{_message(e)} ({_where(e)})") from e
+        f"{_message(e)} ({_where(e, module_name)})") from e
   cls = getattr(module, class_name, None)
   if cls is None:
     raise errors.ConfigError(f"`task`={name!r}: module {module_name!r} has no {class_name!r}")
