@@ -86,3 +86,19 @@ def test_config_md_names_every_field_and_built_in_task():
   assert [f for f in fields if f"`{f}`" not in text] == []
   task_row = next(line for line in text.splitlines() if line.startswith("| `task` |"))
   assert [t for t in tasks.BUILT_IN if t not in task_row] == []
+
+
+def test_design_md_names_every_module_of_the_package():
+  """docs/design.md's module table is where a new engineer starts; it missed
+  `trainer/tasks/batch_losses.py` (a probe, 2026-12-08)."""
+  with open(os.path.join(helpers.REPO, "docs", "design.md")) as f:
+    table = "\n".join(line for line in f if line.startswith("| `trainer/"))
+  package = os.path.join(helpers.REPO, "trainer")
+  modules = [f"trainer/{name}" for name in sorted(os.listdir(package)) if name.endswith(".py")]
+  assert [m for m in modules if f"`{m}`" not in table] == []
+  tasks_row = next(line for line in table.splitlines() if line.startswith("| `trainer/tasks/`"))
+  built_in = [name for name in sorted(os.listdir(os.path.join(package, "tasks")))
+              if name.endswith(".py") and name != "__init__.py"]
+  assert len(built_in) >= 5 and [n for n in built_in if f"`{n}`" not in tasks_row] == []
+  for package_dir in ("per_example", "bench", "tasks"):
+    assert f"`trainer/{package_dir}/`" in table, package_dir

@@ -20,7 +20,7 @@ def base_config() -> ml_collections.ConfigDict:
   config.collective_timeout_s = 0  # multi-worker: abort one all-reduce after this long; 0: never.
   config.xla = "auto"           # auto (on for GPUs, off on CPUs; TPUs always compile) | on | off
   # --- What it trains.
-  # A built-in task (classification | triplet | text_classification | npz_classification) or an
+  # A built-in task (trainer/tasks/__init__.py BUILT_IN: classification, triplet, ...) or an
   # import path `package.module:ClassName` of your own (trainer.base_task, docs/tasks.md).
   config.task = "classification"
   config.model = "small_cnn"      # Built-in tasks: small_cnn | small_cnn_bn | mlp | vgg16 | vgg_small
