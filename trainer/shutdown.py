@@ -24,7 +24,10 @@ the process unwinds or exits cannot replace the stop's message or turn its exit 
 -2.
 
 Handlers only run Python between bytecodes in the main thread: a signal that arrives inside a
-long TensorFlow call is acted on when that call returns. The checkpoint a stop writes sits on an
+long TensorFlow call is acted on when that call returns. One that runs inside a destructor has
+its stop swallowed by Python ("Exception ignored in ..."): every stop a handler raises is also
+noted (a training loop end acts on it), and under `exit_on_stop()` a backstop thread ends the
+process `_BACKSTOP_S` later if nothing else has. The checkpoint a stop writes sits on an
 update boundary like every other (`trainer.preemption`). Free of TensorFlow imports.
 """
 import contextlib
@@ -32,6 +35,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from trainer import exit_codes
 
@@ -39,7 +43,12 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # (SIGHUP: unless ign
 # "requested": the stop noted while training (SIGTERM or SIGINT); "received": the signal that
 # made it, for the stop's line (a SIGHUP is noted as a SIGTERM).
 _state = {"deferred": 0, "requested": None, "received": None, "installed": False,
-          "at_once": None}
+          "at_once": None, "exit_on_stop": 0, "exiting": False}
+# A stop raised by a handler is lost when the handler runs inside a `__del__` or a weakref
+# callback (Python prints "Exception ignored in ..." and goes on; TensorFlow's objects have many):
+# a SIGTERM then left an evaluator running until SIGKILL (a full test run, 2026-12-08). Outside
+# training, the process then ends this many seconds after the signal anyway.
+_BACKSTOP_S = 5.0
 _IDLE_MESSAGE = "with nothing unsaved; rerun the same command to continue"
 
 
@@ -78,6 +87,44 @@ def stop(signum: int, message: str = "") -> StopRequested:
   return StopRequested(signum, message)
 
 
+def _raise_now(signum: int, message: str = ""):
+  """Raises the stop of `signum` from a handler. Also notes it, so that if the raise is lost (see
+  `_BACKSTOP_S`) a training loop end still saves and stops; and, under `exit_on_stop()`, starts
+  a backstop that ends the process after `_BACKSTOP_S` unless it is ending already or a training
+  loop has taken over (which acts on the note)."""
+  noted = _state["requested"]
+  if noted is None or (signum == signal.SIGTERM and noted == signal.SIGINT):
+    _state["requested"] = signum
+  error = stop(signum, message)
+  if _state["exit_on_stop"]:
+    backstop = threading.Timer(_BACKSTOP_S, _backstop, args=(error,))
+    backstop.daemon = True
+    backstop.start()
+  raise error
+
+
+def _backstop(error: "StopRequested") -> None:
+  if not (_state["exiting"] or _state["deferred"]):
+    _exit_now(error)
+
+
+def _exit_now(error: "StopRequested") -> None:
+  """Ends the process with the stop's one line and exit code, without Python's finalisation."""
+  _state["exiting"] = True
+  try:
+    for other in _SIGNALS:
+      signal.signal(other, signal.SIG_IGN)
+  except ValueError:  # The backstop's thread: `stop()` set handlers that do nothing already.
+    pass
+  from trainer import flag_errors  # pylint: disable=g-import-not-at-top
+  flag_errors.say(str(error))
+  for handler in logging.getLogger().handlers:  # (absl's handler sits on the root logger.)
+    handler.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(error.exit_code)  # pylint: disable=protected-access
+
+
 @contextlib.contextmanager
 def exit_on_stop():
   """A StopRequested raised in the block ends the process with its one line and exit code (the
@@ -90,18 +137,13 @@ def exit_on_stop():
   launchers do not restart; found by a probe, 2026-12-07). SIGTERM and SIGINT are ignored from
   the stop on, so that a late one cannot replace its message or exit code.
   """
+  _state["exit_on_stop"] += 1
   try:
     yield
   except StopRequested as e:
-    for other in _SIGNALS:
-      signal.signal(other, signal.SIG_IGN)
-    from trainer import flag_errors  # pylint: disable=g-import-not-at-top
-    flag_errors.say(str(e))
-    for handler in logging.getLogger().handlers:  # (absl's handler sits on the root logger.)
-      handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(e.exit_code)  # pylint: disable=protected-access
+    _exit_now(e)
+  finally:
+    _state["exit_on_stop"] -= 1
 
 
 def _handle(signum, frame):  # pylint: disable=unused-argument
@@ -114,16 +156,16 @@ def _handle(signum, frame):  # pylint: disable=unused-argument
     # A repeated SIGTERM (a supervisor and a VM shutdown alike) changes nothing from here on.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
   if not _state["deferred"]:
-    raise stop(signum)
+    _raise_now(signum)
   if _state["at_once"] is not None:  # Nothing unsaved in this block (`at_once`).
     _state["received"] = received
-    raise stop(signum, _state["at_once"](stop_name(signum)))
+    _raise_now(signum, _state["at_once"](stop_name(signum)))
   noted = _state["requested"]
   if noted is None or (signum == signal.SIGTERM and noted == signal.SIGINT):
     _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
     _state["received"] = received
   elif signum == signal.SIGINT and noted == signal.SIGINT:
-    raise stop(signum, "stopped at once by a second SIGINT: the updates since the last "
+    _raise_now(signum, "stopped at once by a second SIGINT: the updates since the last "
                        "checkpoint are not saved; rerun the same command to resume from it")
 
 
