@@ -87,14 +87,23 @@ def stop(signum: int, message: str = "") -> StopRequested:
   return StopRequested(signum, message)
 
 
-def _raise_now(signum: int, message: str = ""):
-  """Raises the stop of `signum` from a handler. Also notes it, so that if the raise is lost (see
-  `_BACKSTOP_S`) a training loop end still saves and stops; and, under `exit_on_stop()`, starts
-  a backstop that ends the process after `_BACKSTOP_S` unless it is ending already or a training
-  loop has taken over (which acts on the note)."""
+def _note(signum: int, received: int) -> bool:
+  """Notes `signum` as the stop a training loop end acts on (a SIGHUP as a SIGTERM: workers
+  agree on those two; a SIGTERM replaces a noted SIGINT); False if the stop noted already
+  stays."""
+  if signum == signal.SIGHUP:
+    signum = signal.SIGTERM
   noted = _state["requested"]
   if noted is None or (signum == signal.SIGTERM and noted == signal.SIGINT):
-    _state["requested"] = signum
+    _state["requested"], _state["received"] = signum, received
+    return True
+  return False
+
+
+def _raise_now(signum: int, message: str = ""):
+  """Raises the stop of `signum` from a handler; under `exit_on_stop()` it also starts a
+  backstop that ends the process after `_BACKSTOP_S` unless it is ending already or a training
+  loop has taken over (which acts on the noted signal: `_note`)."""
   error = stop(signum, message)
   if _state["exit_on_stop"]:
     backstop = threading.Timer(_BACKSTOP_S, _backstop, args=(error,))
@@ -155,16 +164,12 @@ def _handle(signum, frame):  # pylint: disable=unused-argument
   if signum == signal.SIGTERM:
     # A repeated SIGTERM (a supervisor and a VM shutdown alike) changes nothing from here on.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-  if not _state["deferred"]:
-    _raise_now(signum)
-  if _state["at_once"] is not None:  # Nothing unsaved in this block (`at_once`).
-    _state["received"] = received
-    _raise_now(signum, _state["at_once"](stop_name(signum)))
-  noted = _state["requested"]
-  if noted is None or (signum == signal.SIGTERM and noted == signal.SIGINT):
-    _state["requested"] = signum  # Training: the loop end writes a checkpoint and stops.
-    _state["received"] = received
-  elif signum == signal.SIGINT and noted == signal.SIGINT:
+  if not _state["deferred"] or _state["at_once"] is not None:  # Nothing unsaved: stop now.
+    _note(signum, received)  # Also noted: a stop lost in a destructor (`_BACKSTOP_S`).
+    _raise_now(signum, _state["at_once"](stop_name(signum)) if _state["deferred"] else "")
+  if _note(signum, received):  # Training: the loop end writes a checkpoint and stops.
+    return
+  if signum == signal.SIGINT and _state["requested"] == signal.SIGINT:
     _raise_now(signum, "stopped at once by a second SIGINT: the updates since the last "
                        "checkpoint are not saved; rerun the same command to resume from it")
 
